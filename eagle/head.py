@@ -1,0 +1,251 @@
+"""The EAGLE draft head.
+
+Owns: the module (fc over [embedding(token t+1); feature t], then one decoder layer built from the
+target's own config), the optional reduced draft vocabulary, and the on-disk format
+(``config.json`` + ``model.safetensors``).
+
+EAGLE (Li et al., ICML 2024, arXiv 2401.15077, section 4.1): the head autoregresses on features. At
+position j its input is the target's feature f_j fused with the embedding of the token x_{j+1} one step
+ahead (the "shifted token" that removes feature uncertainty); its output predicts f_{j+1}, and the
+target's frozen LM head turns that into a distribution for x_{j+2}.
+
+The embedding and LM head are *shared* with the target and frozen: they are never stored in the head's
+checkpoint. A reduced draft vocabulary (EAGLE-3, arXiv 2503.01840) keeps only the LM-head rows of the most
+frequent tokens; ``d2t[i]`` is the offset from draft id ``i`` to its target id and ``t2d`` marks target ids
+in the draft vocabulary — the key names and semantics of the reference checkpoints, so heads can be
+exported to vLLM / SGLang.
+
+Deviation from the EAGLE-1 reference (``cnets.py``): the reference skips the first layer's input
+RMSNorm; we keep the target's decoder layer unchanged (as vLLM's ``llama_eagle.py`` builds it).
+
+Does not own: drafting (``tree.py``) or training (``loss.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from eagle.errors import EagleError, HeadMismatchError
+from eagle.target import adapter_for
+
+if TYPE_CHECKING:
+    from eagle.target import Target
+
+logger = logging.getLogger(__name__)
+
+HEAD_FORMAT = "eagle-head/1"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class HeadConfig:
+    """What a head directory's ``config.json`` holds.
+
+    Attributes:
+        hidden_size: the target's hidden size (fc maps 2*hidden -> hidden).
+        vocab_size: the target's vocabulary size (the embedding / LM head the head borrows).
+        draft_vocab_size: rows of the draft LM head; equal to ``vocab_size`` unless reduced.
+        model_type: the target architecture (``config.model_type``) the decoder layer comes from.
+        layer_config: the target's transformers config as a dict with ``num_hidden_layers=1``.
+        target_name / target_revision: the target this head was trained for (informational; the
+            platform's registry checks the revision).
+        fc_bias: whether fc has a bias (EAGLE-1: yes; EAGLE-3: no).
+    """
+
+    hidden_size: int
+    vocab_size: int
+    draft_vocab_size: int
+    model_type: str
+    layer_config: dict[str, Any]
+    target_name: str = "unknown"
+    target_revision: str = "unknown"
+    fc_bias: bool = True
+    format: str = HEAD_FORMAT
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def for_target(cls, target: "Target", draft_vocab_size: int | None = None) -> "HeadConfig":
+        layer_config = target.config.to_dict()
+        layer_config["num_hidden_layers"] = 1
+        for key in ("quantization_config", "auto_map", "_name_or_path", "architectures", "torch_dtype", "dtype"):
+            layer_config.pop(key, None)
+        return cls(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            model_type=target.config.model_type,
+            layer_config=layer_config,
+            target_name=target.name,
+            target_revision=target.revision,
+        )
+
+    def transformers_config(self):
+        from transformers import AutoConfig
+
+        settings = {k: v for k, v in self.layer_config.items() if k != "model_type"}
+        config = AutoConfig.for_model(self.model_type, **settings)
+        config._attn_implementation = "sdpa"
+        return config
+
+
+class EagleHead(nn.Module):
+    """fc(2h -> h) + one decoder layer; embedding and LM head borrowed from an attached target."""
+
+    def __init__(self, config: HeadConfig) -> None:
+        super().__init__()
+        self.config = config
+        layer_config = config.transformers_config()
+        adapter = adapter_for(layer_config)
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList([adapter.decoder_layer_cls()(layer_config, layer_idx=0)])
+        self.rotary_emb = adapter.rotary_cls()(layer_config)
+        self.reduced_vocab = config.draft_vocab_size != config.vocab_size
+        if self.reduced_vocab:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+        # Borrowed, frozen, never saved: kept out of the module tree on purpose.
+        self._borrowed: dict[str, torch.Tensor | nn.Module] = {}
+
+    # ---- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def for_target(
+        cls,
+        target: "Target",
+        *,
+        seed: int | None = 0,
+        draft_token_ids: torch.Tensor | None = None,
+    ) -> "EagleHead":
+        """An untrained head for ``target`` (fixed ``seed``), optionally with a reduced draft vocabulary."""
+        draft_vocab_size = None if draft_token_ids is None else int(draft_token_ids.numel())
+        config = HeadConfig.for_target(target, draft_vocab_size)
+        devices = [target.device] if target.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            if seed is not None:
+                torch.manual_seed(seed)
+            head = cls(config)
+        if draft_token_ids is not None:
+            head.set_draft_vocab(draft_token_ids)
+        return head.to(device=target.device, dtype=target.dtype).attach(target)
+
+    def set_draft_vocab(self, draft_token_ids: torch.Tensor) -> None:
+        """Set the reduced vocabulary from target ids (any order; stored sorted, EAGLE-3 d2t/t2d)."""
+        if not self.reduced_vocab:
+            raise EagleError("this head uses the full vocabulary")
+        ids = torch.unique(draft_token_ids.to(torch.long))  # sorted
+        if ids.numel() != self.config.draft_vocab_size:
+            raise EagleError(f"draft vocabulary needs {self.config.draft_vocab_size} distinct ids, got {ids.numel()}")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise EagleError("draft vocabulary ids fall outside the target vocabulary")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def attach(self, target: "Target") -> "EagleHead":
+        """Borrow ``target``'s embedding and LM head; fails clearly if the head was built for another target."""
+        check_compatible(self.config, target)
+        self._borrowed["embed"] = target.embed_tokens
+        weight = target.lm_head.weight
+        if self.reduced_vocab:
+            weight = weight.index_select(0, self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=weight.device)))
+        self._borrowed["lm_weight"] = weight.detach()
+        return self
+
+    # ---- forward -------------------------------------------------------------------------------------
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity for a full-vocabulary head)."""
+        if not self.reduced_vocab:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [1, q, hidden]: f_j (target's, or the head's own prediction)
+        next_tokens: torch.Tensor,  # [1, q]: x_{j+1}
+        cache,
+        position_ids: torch.Tensor,  # [1, q]
+        attention_mask: torch.Tensor | None = None,  # [1, 1, q, kv] additive
+    ) -> torch.Tensor:
+        """Predicted next features ``[1, q, hidden]``."""
+        if "embed" not in self._borrowed:
+            raise EagleError("head is not attached to a target: call head.attach(target)")
+        embeds = self._borrowed["embed"](next_tokens).to(features.dtype)  # [1, q, hidden]
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [1, q, hidden]
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(
+                hidden,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the draft vocabulary for predicted features ``[..., hidden]``."""
+        return torch.nn.functional.linear(hidden, self._borrowed["lm_weight"]).float()
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache()
+
+    # ---- persistence ---------------------------------------------------------------------------------
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` + ``model.safetensors`` (fc.*, layers.0.*, d2t/t2d when reduced)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "eagle_format": HEAD_FORMAT})
+        (directory / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2, sort_keys=True))
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, target: "Target") -> "EagleHead":
+        """Load a head directory (safetensors only) and attach it to ``target``."""
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        if not config_path.is_file() or not weights_path.is_file():
+            raise EagleError(f"{directory} is not a head directory: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+        try:
+            raw = json.loads(config_path.read_text())
+            config = HeadConfig(**raw)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise EagleError(f"{config_path} is not a valid head config: {err}") from None
+        if config.format != HEAD_FORMAT:
+            raise EagleError(f"{config_path}: unsupported head format {config.format!r} (expected {HEAD_FORMAT!r})")
+        check_compatible(config, target)
+        head = cls(config)
+        state = load_file(str(weights_path))
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise EagleError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        return head.to(device=target.device, dtype=target.dtype).attach(target)
+
+
+def check_compatible(config: HeadConfig, target: "Target") -> None:
+    """Raise ``HeadMismatchError`` when a head cannot run on ``target``."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    if config.model_type != target.config.model_type:
+        problems.append(f"architecture {config.model_type!r} != target's {target.config.model_type!r}")
+    if problems:
+        raise HeadMismatchError(
+            f"head for {config.target_name!r} does not fit target {target.name!r}: " + "; ".join(problems)
+        )

@@ -1,0 +1,128 @@
+"""Verification: which drafted tokens the target accepts, and the token it adds.
+
+Glossary (as in vLLM's ``rejection_sampler.py``):
+
+* **accepted token** — a draft token the target keeps; the accepted tokens of one step form a path from
+  the root down the tree.
+* **rejected token** — a draft token the target refuses; the path stops at its parent.
+* **bonus token** — the one token the target itself contributes at the end of the accepted path, drawn from
+  its own (residual) distribution there. A step therefore always yields ``accepted + 1`` tokens, so plain
+  decoding is the special case of a tree with no draft nodes.
+
+Greedy: walk down the tree while some child equals the target's argmax at the current node; the bonus is
+the argmax where the walk stops. The output is the target's greedy output, token for token.
+
+Sampling (T > 0): the draft tree's children are the head's top-ranked tokens, a deterministic function of
+the context, so each sibling is a point-mass proposal q = 1{x}. Recursive rejection over siblings
+(SpecInfer, Miao et al. 2023, arXiv 2305.09781; EAGLE, arXiv 2401.15077, section 4.2 and its reference
+``evaluate_posterior``) then reads: with the target's processed distribution p at the node, accept child
+x with probability min(1, p(x)/q(x)) = p(x); on rejection, the residual is norm(max(p - q, 0)), i.e. p with
+x removed and renormalised; try the next sibling against that residual; if every sibling is rejected (or
+the node is a leaf), draw the bonus token from the final residual. Each emitted token is then exactly
+distributed as p conditioned on the prefix — lossless for any head.
+
+Processing of the target's logits (temperature, then top-k, then top-p) is the same function plain
+decoding samples from, so "the target's distribution" means the processed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from eagle.errors import EagleError
+from eagle.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the target's next-token distribution is processed.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise EagleError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise EagleError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise EagleError(f"top_k must be >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """The target's processed distribution ``[..., V]`` (float32) for logits ``[..., V]``; T must be > 0."""
+    logits = logits.float() / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits.shape[-1]:
+        kth = logits.topk(sampling.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= sampling.top_p, 0.0)  # the first token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class Acceptance:
+    """Result of verifying one tree: accepted node indices (root excluded, top-down) and the bonus token."""
+
+    path: list[int]
+    bonus_token: int
+
+
+def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    """Longest path whose every token equals the target's argmax at its parent. ``logits``: ``[N, V]``."""
+    best = logits.argmax(dim=-1).tolist()  # [N]
+    tokens = tree.tokens.tolist()
+    children = tree.children
+    node, path = 0, []
+    while True:
+        match = next((c for c in children[node] if tokens[c] == best[node]), None)
+        if match is None:
+            return Acceptance(path, best[node])
+        path.append(match)
+        node = match
+
+
+def sample_verify(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
+    """Recursive rejection over siblings (point-mass proposals); ``probs``: processed target ``[N, V]``."""
+    tokens = tree.tokens.tolist()
+    children = tree.children
+    node, path = 0, []
+    while True:
+        residual = probs[node].clone()  # p at this node
+        accepted = None
+        for child in children[node]:
+            token = tokens[child]
+            u = torch.rand((), generator=generator, device=residual.device)
+            if u < residual[token]:  # accept with probability p(x) / q(x), q(x) = 1
+                accepted = child
+                break
+            residual[token] = 0.0  # residual norm(max(p - q, 0)): x removed
+            residual = residual / residual.sum()
+        if accepted is None:
+            bonus = int(torch.multinomial(residual, 1, generator=generator))
+            return Acceptance(path, bonus)
+        path.append(accepted)
+        node = accepted
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a processed distribution ``[V]``."""
+    return int(torch.multinomial(probs, 1, generator=generator))
