@@ -76,6 +76,8 @@ class HeadConfig:
     def for_target(cls, target: "Target", draft_vocab_size: int | None = None) -> "HeadConfig":
         layer_config = target.config.to_dict()
         layer_config["num_hidden_layers"] = 1
+        if "layer_types" in layer_config:  # hybrid configs list one type per layer; the head's layer is full attention
+            layer_config["layer_types"] = ["full_attention"]
         for key in ("quantization_config", "auto_map", "_name_or_path", "architectures", "torch_dtype", "dtype"):
             layer_config.pop(key, None)
         return cls(

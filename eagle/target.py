@@ -124,6 +124,10 @@ class Target:
         self.hidden_size: int = self.config.hidden_size
         self.vocab_size: int = self.lm_head.weight.shape[0]
         self.max_positions: int = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        window = getattr(self.config, "sliding_window", None)
+        if window and getattr(self.config, "use_sliding_window", True):
+            # Within the window, sliding attention equals full attention, so the tree mask stays exact.
+            self.max_positions = min(self.max_positions, int(window))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,9 +177,10 @@ class Target:
     # ---- forward -----------------------------------------------------------------------------------
 
     def new_cache(self):
+        """A per-request cache of plain (full-attention) layers; ``compact_cache`` edits them in place."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.config)
+        return DynamicCache()
 
     @torch.inference_mode()
     def forward(

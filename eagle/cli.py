@@ -1,0 +1,246 @@
+"""``eaglectl``: the command line over the engine (generate, bench, profile).
+
+Bad input exits with code 2 and one line on stderr; the generated text goes to stdout, logs and stats to
+stderr. This module only parses arguments and formats output: the work is in the engine modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+logger = logging.getLogger("eaglectl")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line (exit 2) instead of usage + error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
+    parser.add_argument("--target", default="smollm2-135m", help="built-in target name or local HF directory")
+    parser.add_argument(
+        "--head",
+        default=head_default,
+        help="head directory, 'random' (untrained, fixed seed) or 'none' (plain decoding)",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument("--tree", default="dynamic", choices=["static", "dynamic"], help="draft tree policy")
+    parser.add_argument("--depth", type=_positive_int, default=None, help="dynamic tree depth")
+    parser.add_argument("--top-k-draft", type=_positive_int, default=None, help="dynamic tree top-k")
+    parser.add_argument("--total-tokens", type=_positive_int, default=None, help="dynamic tree size")
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="eaglectl", description="EAGLE speculative decoding: generate and benchmark")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    generate = commands.add_parser("generate", help="generate text with a target (and a head)")
+    _add_model_args(generate, head_default="none")
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="raw prompt text")
+    prompt.add_argument("--chat", help="one user message, rendered with the target's chat template")
+    _add_sampling_args(generate)
+    generate.add_argument("--stream", action="store_true", help="print text as it is accepted")
+    generate.add_argument("--json", action="store_true", help="print a JSON record instead of the text")
+
+    bench = commands.add_parser("bench", help="side-by-side benchmark: plain, EAGLE, HF generate, prompt lookup")
+    _add_model_args(bench, head_default="random")
+    _add_sampling_args(bench)
+    bench.add_argument("--prompts", default=None, help="JSONL of prompts (default: MT-bench question.jsonl)")
+    bench.add_argument("--limit", type=_positive_int, default=None, help="first N prompts only")
+    bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    bench.add_argument("--baselines", default="hf,prompt-lookup", help="comma list of hf, prompt-lookup, or ''")
+    bench.add_argument("--out", required=True, help="result JSON path (.md and .png are written beside it)")
+
+    profile = commands.add_parser("profile", help="time one target forward over tree sizes and one draft step")
+    profile.add_argument("--target", default="smollm2-135m")
+    profile.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    profile.add_argument("--sizes", default="1,8,16,32,64", help="tree tokens per verification forward")
+    profile.add_argument("--context", type=_positive_int, default=256, help="cached tokens before the forward")
+    profile.add_argument("--repeats", type=_positive_int, default=10)
+    profile.add_argument("--draft-vocab", default="", help="comma list of draft vocabulary sizes to time")
+    profile.add_argument("--threads", type=_positive_int, default=None)
+    profile.add_argument("--out", default=None, help="write the timings as JSON")
+    return parser
+
+
+def _tree(args):
+    from eagle.tree import DynamicTree, StaticTree
+
+    if args.tree == "static":
+        return StaticTree()
+    defaults = DynamicTree()
+    return DynamicTree(
+        depth=args.depth or defaults.depth,
+        top_k=args.top_k_draft or defaults.top_k,
+        total_tokens=args.total_tokens or defaults.total_tokens,
+    )
+
+
+def _load(args):
+    from eagle.head import EagleHead
+    from eagle.target import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    if args.head == "none":
+        head = None
+    elif args.head == "random":
+        head = EagleHead.for_target(target, seed=0)
+    else:
+        head = EagleHead.from_pretrained(args.head, target)
+    return target, head
+
+
+def _sampling(args):
+    from eagle.generate import GenerationConfig
+    from eagle.verify import SamplingConfig
+
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return sampling, GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from eagle.generate import Decoder
+
+    _, config = _sampling(args)  # validate before loading anything
+    target, head = _load(args)
+    prompt_ids = target.encode(args.chat if args.chat is not None else args.prompt, chat=args.chat is not None)
+    decoder = Decoder(target, head, _tree(args))
+    if args.stream and not args.json:
+        steps = 0
+        for output in decoder.stream(prompt_ids, config):
+            sys.stdout.write(output.text)
+            sys.stdout.flush()
+            steps += output.stats is not None
+        sys.stdout.write("\n")
+        return 0
+    result = decoder.generate(prompt_ids, config)
+    record = {
+        "text": result.text,
+        "prompt_tokens": len(result.prompt_ids),
+        "completion_tokens": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "tau": round(result.tau, 4),
+        "tokens_per_second": round(result.tokens_per_second, 2),
+        "draft_s": round(result.draft_s, 4),
+        "verify_s": round(result.verify_s, 4),
+        "accepted_per_step": [s.accepted for s in result.steps],
+    }
+    if args.json:
+        sys.stdout.write(json.dumps(record) + "\n")
+    else:
+        sys.stdout.write(result.text + "\n")
+        logger.info(
+            "%d tokens, %.1f tok/s, tau %.2f, draft %.2fs, verify %.2fs",
+            record["completion_tokens"], record["tokens_per_second"], record["tau"], record["draft_s"], record["verify_s"],
+        )
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from eagle import bench
+    from eagle.errors import EagleError
+
+    sampling, _ = _sampling(args)
+    baselines = [b for b in args.baselines.split(",") if b]
+    unknown = set(baselines) - {"hf", "prompt-lookup"}
+    if unknown:
+        raise EagleError(f"unknown baseline(s) {', '.join(sorted(unknown))}: expected hf, prompt-lookup")
+    if args.max_new_tokens <= 0:
+        raise EagleError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+    prompts = bench.load_prompts(args.prompts, limit=args.limit)
+    target, head = _load(args)
+    result = bench.run_bench(
+        target,
+        head,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        tree=_tree(args),
+        baselines=baselines,
+        chat=not args.no_chat,
+        seed=args.seed,
+    )
+    result.setdefault("config", {})["command"] = "eaglectl " + " ".join(sys.argv[1:])
+    paths = bench.write_report(result, args.out)
+    logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    aggregate = result.get("aggregate", {})
+    sys.stdout.write(json.dumps(aggregate, indent=2, default=str) + "\n")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from eagle.profile import profile_forward
+
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    draft_vocabs = [int(s) for s in args.draft_vocab.split(",") if s]
+    result = profile_forward(
+        args.target, dtype=args.dtype, sizes=sizes, context=args.context, repeats=args.repeats, draft_vocabs=draft_vocabs
+    )
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("transformers", "DeepSpeed", "urllib3", "matplotlib", "PIL"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from eagle.errors import EagleError
+
+    try:
+        return COMMANDS[args.command](args)
+    except EagleError as err:
+        sys.stderr.write(f"eaglectl {args.command}: error: {err}\n")
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
