@@ -106,16 +106,16 @@ def sample_verify(tree: DraftTree, probs: torch.Tensor, generator: torch.Generat
     children = tree.children
     node, path = 0, []
     while True:
-        residual = probs[node].clone()  # p at this node
+        residual = probs[node].clone()  # p at this node, kept unnormalised: mass = residual.sum()
         accepted = None
         for child in children[node]:
             token = tokens[child]
             u = torch.rand((), generator=generator, device=residual.device)
-            if u < residual[token]:  # accept with probability p(x) / q(x), q(x) = 1
+            mass = residual.sum()
+            if u * mass < residual[token] or residual[token] >= mass:  # accept w.p. p'(x) / q(x), q(x) = 1
                 accepted = child
                 break
-            residual[token] = 0.0  # residual norm(max(p - q, 0)): x removed
-            residual = residual / residual.sum()
+            residual[token] = 0.0  # residual norm(max(p' - q, 0)): x removed
         if accepted is None:
             bonus = int(torch.multinomial(residual, 1, generator=generator))
             return Acceptance(path, bonus)

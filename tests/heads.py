@@ -1,0 +1,132 @@
+"""Draft heads of known quality for the losslessness tests: a trained ("good") head and a wrong one.
+
+``good_head(target)`` trains an EAGLE head on the target's own continuations for a few hundred Adam steps
+(seconds on a tiny target) with EAGLE's loss (arXiv 2401.15077, section 4.1): SmoothL1 between predicted and
+true next features plus 0.1 x cross-entropy between the target's next-token distribution and the head's.
+Training is teacher-forced: inputs are features f_0..f_{n-2} paired with tokens x_1..x_{n-1}, targets are
+f_1..f_{n-1}. Trained heads are cached per target so every test reuses them.
+
+``wrong_head(target)`` is the trained head with its draft distribution reversed: in every context it drafts
+the tokens it finds *least* likely, so its drafts are (almost) never the target's greedy choice and the
+verifier must reject nearly everything. (A context-free wrong head, e.g. a constant output aimed at rarely
+chosen tokens, does not work on tiny random targets: across contexts nearly every token is somebody's argmax.)
+
+Does not own: decoding or verification; these heads only exist to exercise them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from eagle.head import EagleHead
+from eagle.target import Target
+from eagle.tree import additive_mask
+
+logger = logging.getLogger(__name__)
+
+_TRAINED: dict[tuple, dict[str, torch.Tensor]] = {}  # target key + seed -> trained head state
+
+
+def _target_key(target: Target, seed: int) -> tuple:
+    """(arch, vocab, seed) plus a weight fingerprint, so two tiny targets with other weights never collide."""
+    fingerprint = round(float(target.lm_head.weight.double().abs().sum()), 6)
+    return (target.config.model_type, target.vocab_size, seed, target.hidden_size, target.config.num_hidden_layers, fingerprint)
+
+
+@torch.no_grad()
+def continuations(target: Target, *, sequences: int, length: int, prompt_len: int = 4, temperature: float, seed: int) -> torch.Tensor:
+    """``[sequences, length]`` token ids: random prompts continued by the target (temperature 0 = greedy)."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, target.vocab_size, (sequences, prompt_len), generator=generator)
+    while ids.shape[1] < length:
+        logits = target.model(input_ids=ids.to(target.device)).logits[:, -1].double().cpu()  # [B, V]
+        if temperature == 0:
+            next_token = logits.argmax(-1, keepdim=True)  # [B, 1]
+        else:
+            next_token = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+        ids = torch.cat([ids, next_token], dim=1)
+    return ids
+
+
+def _causal(q: int, dtype: torch.dtype) -> torch.Tensor:
+    return additive_mask(torch.ones(q, q, dtype=torch.bool).tril(), dtype)  # [1, 1, q, q]
+
+
+def train_head(
+    target: Target, *, seed: int = 0, steps: int = 300, lr: float = 1e-2, temperature: float = 1.0, sequences: int = 32, length: int = 40
+) -> EagleHead:
+    """A head trained with EAGLE's loss on greedy and sampled continuations of random prompts."""
+    head = EagleHead.for_target(target, seed=seed)
+    head.train()
+    greedy = continuations(target, sequences=sequences // 2, length=length, temperature=0.0, seed=seed)
+    sampled = continuations(target, sequences=sequences - sequences // 2, length=length, temperature=temperature, seed=seed + 1)
+    tokens = torch.cat([greedy, sampled]).to(target.device)  # [B, n]
+    with torch.no_grad():
+        features = target.backbone(input_ids=tokens).last_hidden_state  # [B, n, hidden]: f_0..f_{n-1}
+        target_probs = torch.softmax(target.lm_head(features[:, 1:]).double(), dim=-1)  # p(x_{j+2} | f_{j+1})
+    n = tokens.shape[1]
+    inputs, next_tokens, wanted = features[:, :-1], tokens[:, 1:], features[:, 1:]  # f_j, x_{j+1} -> f_{j+1}
+    positions = torch.arange(n - 1, device=target.device).unsqueeze(0)  # [1, n-1]
+    mask = _causal(n - 1, features.dtype).to(target.device)
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    smooth_l1 = nn.SmoothL1Loss()
+    with single_thread(), torch.random.fork_rng():
+        torch.manual_seed(seed)
+        for _ in range(steps):
+            predicted = head(inputs, next_tokens, None, positions, mask)  # [B, n-1, hidden]
+            log_q = torch.log_softmax(head.draft_logits(predicted).double(), dim=-1)  # [B, n-1, V]
+            cross_entropy = -(target_probs * log_q).sum(-1).mean()  # H(p_target, q_head)
+            loss = smooth_l1(predicted, wanted) + 0.1 * cross_entropy
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    logger.info("trained head for %s: final loss %.4f", target.name, float(loss.detach()))
+    head.eval()
+    head.requires_grad_(False)
+    return head
+
+
+def good_head(target: Target, *, seed: int = 0) -> EagleHead:
+    """A trained head for ``target``, trained once per (arch, vocab, seed, weights) and reused."""
+    key = _target_key(target, seed)
+    if key not in _TRAINED:
+        _TRAINED[key] = {k: v.clone() for k, v in train_head(target, seed=seed).state_dict().items()}
+    head = EagleHead.for_target(target, seed=seed)
+    head.load_state_dict(_TRAINED[key])
+    head.eval()
+    return head
+
+
+class _ReversedHead(EagleHead):
+    """A trained head whose draft distribution is reversed: it ranks first what it finds least likely."""
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return -super().draft_logits(hidden)
+
+
+def wrong_head(target: Target, *, seed: int = 0) -> EagleHead:
+    """A head that drafts the tokens a trained head rates *least* likely in the current context, so its
+    drafts are (almost) never the target's greedy choice and the verifier must reject nearly everything."""
+    trained = good_head(target, seed=seed)
+    head = _ReversedHead(trained.config)
+    head.load_state_dict(trained.state_dict())
+    head = head.to(device=target.device, dtype=target.dtype).attach(target)
+    head.eval()
+    return head
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run torch on one thread: the tiny targets' matmuls are far faster without thread hand-offs, the more
+    so on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
