@@ -188,6 +188,7 @@ def cmd_bench(args) -> int:
         baselines=baselines,
         chat=not args.no_chat,
         seed=args.seed,
+        head_label=args.head,
     )
     result.setdefault("config", {})["command"] = "eaglectl " + " ".join(sys.argv[1:])
     paths = bench.write_report(result, args.out)

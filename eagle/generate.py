@@ -54,7 +54,10 @@ class GenerationConfig:
 
 @dataclass
 class StepStats:
-    """One target forward: ``accepted`` draft tokens kept (the step emits ``accepted + 1`` tokens)."""
+    """One target forward: ``accepted`` draft tokens the verifier kept, so the step produced ``accepted + 1``
+    tokens (counted before the request's own cut by ``max_new_tokens`` or a stop token, which is what tau
+    measures). ``draft_s`` covers drafting the tree and the head consuming the accepted tokens' features;
+    ``verify_s`` the target forward, acceptance and cache compaction."""
 
     accepted: int
     tree_size: int  # draft nodes verified (0 for plain decoding)
