@@ -27,7 +27,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -236,6 +236,23 @@ class EagleHead(nn.Module):
         if missing or unexpected:
             raise EagleError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
         return head.to(device=target.device, dtype=target.dtype).attach(target)
+
+
+def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
+    """EAGLE-3's reduced draft vocabulary (arXiv 2503.01840, section 3): the ``size`` most frequent target
+    tokens in a corpus, ``counts[i]`` being token i's count; ``always`` (e.g. the stop tokens) are kept
+    whatever their count. Count over the whole training corpus: a vocabulary built from a few hundred
+    answers misses 12-15% of MT-bench's tokens (../shared/STACK.md). Returns sorted target ids."""
+    vocab_size = counts.numel()
+    if not 0 < size <= vocab_size:
+        raise EagleError(f"draft vocabulary size must be in [1, {vocab_size}], got {size}")
+    forced = sorted({int(i) for i in always})
+    if len(forced) > size:
+        raise EagleError(f"draft vocabulary of {size} cannot hold the {len(forced)} always-kept tokens")
+    score = counts.to(torch.float64).clone()
+    score[forced] = float("inf")
+    ranked = torch.argsort(-score, stable=True)  # by count; ties go to the smaller id
+    return torch.sort(ranked[:size]).values
 
 
 def check_compatible(config: HeadConfig, target: "Target") -> None:
