@@ -102,3 +102,16 @@ def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
     assert message in err[0]
+
+
+def test_local_hf_directory_loads_as_a_target(tmp_path):
+    tiny = tiny_target("qwen2", dtype=torch.float32)
+    tiny.model.save_pretrained(tmp_path / "model", safe_serialization=True)
+    target = load_target(str(tmp_path / "model"), dtype="float32")
+    assert target.name == "model" and target.revision.startswith("dir-sha256:")
+    assert target.config.model_type == "qwen2" and target.tokenizer is None
+    prompt = [4, 8, 15, 16, 23, 42]
+    config = GenerationConfig(max_new_tokens=12, stop_token_ids=[])
+    assert Decoder(target).generate(prompt, config).token_ids == Decoder(tiny).generate(prompt, config).token_ids
+    with pytest.raises(EagleError, match="has no tokenizer"):
+        target.encode("hello")
