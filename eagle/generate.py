@@ -200,7 +200,7 @@ class Decoder:
         self._check_request(prompt_ids, config)
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(config.seed)
-        stop_ids = set(self.target.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids)
+        stop_ids = self._stop_ids(config)
         text = _TextDelta(self.target)
 
         state = self._prefill(prompt_ids, config.sampling, generator)
@@ -247,10 +247,12 @@ class Decoder:
             else:
                 steps.append(output.stats)
         total_s = time.perf_counter() - started
-        stop_ids = set(self.target.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids)
-        finish = "stop" if token_ids and token_ids[-1] in stop_ids else "length"
+        finish = "stop" if token_ids and token_ids[-1] in self._stop_ids(config) else "length"
         text = self.target.decode(token_ids) if self.target.tokenizer is not None else ""
         return GenerationResult(list(prompt_ids), token_ids, text, steps, prefill_s, total_s, finish)
+
+    def _stop_ids(self, config: GenerationConfig) -> set[int]:
+        return set(self.target.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids)
 
     def _check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
