@@ -135,11 +135,9 @@ def cmd_generate(args) -> int:
     prompt_ids = target.encode(args.chat if args.chat is not None else args.prompt, chat=args.chat is not None)
     decoder = Decoder(target, head, _tree(args))
     if args.stream and not args.json:
-        steps = 0
         for output in decoder.stream(prompt_ids, config):
             sys.stdout.write(output.text)
             sys.stdout.flush()
-            steps += output.stats is not None
         sys.stdout.write("\n")
         return 0
     result = decoder.generate(prompt_ids, config)
@@ -169,13 +167,11 @@ def cmd_bench(args) -> int:
     from eagle import bench
     from eagle.errors import EagleError
 
-    sampling, _ = _sampling(args)
+    sampling, _ = _sampling(args)  # validates max_new_tokens and sampling before anything loads
     baselines = [b for b in args.baselines.split(",") if b]
-    unknown = set(baselines) - {"hf", "prompt-lookup"}
+    unknown = set(baselines) - set(bench.HF_BASELINES)  # checked before the target loads
     if unknown:
-        raise EagleError(f"unknown baseline(s) {', '.join(sorted(unknown))}: expected hf, prompt-lookup")
-    if args.max_new_tokens <= 0:
-        raise EagleError(f"--max-new-tokens must be > 0, got {args.max_new_tokens}")
+        raise EagleError(f"unknown baseline(s) {', '.join(sorted(unknown))}: expected {', '.join(bench.HF_BASELINES)}")
     prompts = bench.load_prompts(args.prompts, limit=args.limit)
     target, head = _load(args)
     result = bench.run_bench(

@@ -23,7 +23,7 @@ import torch
 from eagle.errors import EagleError
 from eagle.head import EagleHead
 from eagle.target import Target, compact_cache
-from eagle.tree import DraftTree, DynamicTree, TreeSpec, additive_mask, draft_tree, root_only
+from eagle.tree import DraftTree, DynamicTree, TreeSpec, causal_mask, draft_tree, root_only
 from eagle.verify import SamplingConfig, greedy_verify, processed_probs, sample_token, sample_verify
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Decoder:
             state.head_cache = self.head.new_cache()
             next_tokens = torch.cat([ids[:, 1:], torch.tensor([[root]], device=device)], dim=1)  # x_{j+1}
             positions = torch.arange(len(prompt_ids), device=device).unsqueeze(0)
-            hidden = self.head(features, next_tokens, state.head_cache, positions, _causal_mask(len(prompt_ids), 0, features.dtype, device))
+            hidden = self.head(features, next_tokens, state.head_cache, positions, causal_mask(len(prompt_ids), 0, features.dtype, device))
             state.last_hidden = hidden[0, -1]
         return state
 
@@ -182,7 +182,7 @@ class Decoder:
             torch.tensor([new_tokens], device=device),
             state.head_cache,
             positions,
-            _causal_mask(q, start, kept_features.dtype, device),
+            causal_mask(q, start, kept_features.dtype, device),
         )
         state.last_hidden = hidden[0, -1]
 
@@ -274,11 +274,6 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> list[int]:
         if token in stop_ids:
             return out[: i + 1]
     return out
-
-
-def _causal_mask(q: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """Additive ``[1, 1, q, past + q]`` causal mask for q new positions after ``past`` cached ones."""
-    return additive_mask(torch.ones(q, past + q, dtype=torch.bool, device=device).tril(diagonal=past), dtype)
 
 
 class _TextDelta:

@@ -17,7 +17,7 @@ import torch
 
 from eagle.head import EagleHead
 from eagle.target import Target, crop_cache, load_target
-from eagle.tree import additive_mask
+from eagle.tree import additive_mask, causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def profile_forward(
     for size in sizes:
         ids = torch.randint(0, target.vocab_size, (1, size), generator=generator)
         positions = torch.arange(context, context + size).unsqueeze(0)
-        mask = additive_mask(torch.ones(size, context + size, dtype=torch.bool).tril(context), target.dtype) if size > 1 else None
+        mask = causal_mask(size, context, target.dtype) if size > 1 else None
 
         def forward(with_head: bool = False):
             out = target.forward(ids, cache, positions, mask)
@@ -82,7 +82,7 @@ def profile_forward(
         head = EagleHead.for_target(target, seed=0, draft_token_ids=draft_ids)
         head_cache = head.new_cache()
         positions = torch.arange(context).unsqueeze(0)
-        head(features, prompt, head_cache, positions, additive_mask(torch.ones(context, context, dtype=torch.bool).tril(), target.dtype))
+        head(features, prompt, head_cache, positions, causal_mask(context, 0, target.dtype))
         width_features = features[:, -draft_width:]
         width_ids = prompt[:, -draft_width:]
         step_positions = torch.full((1, draft_width), context)

@@ -141,6 +141,11 @@ class DraftTree:
         return path[::-1]
 
 
+def causal_mask(q: int, past: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Additive ``[1, 1, q, past + q]`` causal mask for ``q`` new positions after ``past`` cached ones."""
+    return additive_mask(torch.ones(q, past + q, dtype=torch.bool, device=device).tril(diagonal=past), dtype)
+
+
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool ``[q, kv]`` (True = may attend) -> additive ``[1, 1, q, kv]`` in ``dtype``."""
     mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

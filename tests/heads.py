@@ -25,7 +25,7 @@ from torch import nn
 
 from eagle.head import EagleHead
 from eagle.target import Target
-from eagle.tree import additive_mask
+from eagle.tree import causal_mask
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ def continuations(target: Target, *, sequences: int, length: int, prompt_len: in
     return ids
 
 
-def _causal(q: int, dtype: torch.dtype) -> torch.Tensor:
-    return additive_mask(torch.ones(q, q, dtype=torch.bool).tril(), dtype)  # [1, 1, q, q]
-
-
 def train_head(
     target: Target, *, seed: int = 0, steps: int = 300, lr: float = 1e-2, temperature: float = 1.0, sequences: int = 32, length: int = 40
 ) -> EagleHead:
@@ -72,7 +68,7 @@ def train_head(
     n = tokens.shape[1]
     inputs, next_tokens, wanted = features[:, :-1], tokens[:, 1:], features[:, 1:]  # f_j, x_{j+1} -> f_{j+1}
     positions = torch.arange(n - 1, device=target.device).unsqueeze(0)  # [1, n-1]
-    mask = _causal(n - 1, features.dtype).to(target.device)
+    mask = causal_mask(n - 1, 0, features.dtype, target.device)  # [1, 1, n-1, n-1]
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     smooth_l1 = nn.SmoothL1Loss()
     with single_thread(), torch.random.fork_rng():

@@ -6,7 +6,7 @@ import torch
 from eagle import Decoder, EagleHead, GenerationConfig, StaticTree, DynamicTree
 from eagle.errors import EagleError
 from eagle.target import compact_cache
-from eagle.tree import DraftTree, MC_SIM_7B_63, draft_tree
+from eagle.tree import DraftTree, MC_SIM_7B_63, causal_mask, draft_tree
 from tiny import ARCHITECTURES, tiny_target
 
 PROMPT = [5, 17, 3, 42, 8, 23, 11, 60, 2, 31]
@@ -105,10 +105,8 @@ def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec):
         for got, want in zip(state.target_cache.layers, fresh.layers):
             torch.testing.assert_close(got.keys, want.keys, rtol=1e-9, atol=1e-9)
         head_cache = head.new_cache()
-        from eagle.generate import _causal_mask
-
         n = len(committed)
-        hidden = head(features, torch.tensor([committed[1:] + [state.root]]), head_cache, torch.arange(n)[None], _causal_mask(n, 0, target.dtype, "cpu"))
+        hidden = head(features, torch.tensor([committed[1:] + [state.root]]), head_cache, torch.arange(n)[None], causal_mask(n, 0, target.dtype))
         torch.testing.assert_close(state.head_cache.layers[0].keys, head_cache.layers[0].keys, rtol=1e-8, atol=1e-8)
         torch.testing.assert_close(state.last_hidden, hidden[0, -1], rtol=1e-8, atol=1e-8)
 
