@@ -157,3 +157,16 @@ def tokenize(tokenizer, conversation: Conversation, max_length: int | None = Non
     if max_length is not None:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     return TokenizedConversation(conversation.id, input_ids, loss_mask)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """``sha256:<16 hex>`` of the tokenizer's full JSON (vocabulary, merges, normaliser) and chat template:
+    manifests record it so features made with one tokenizer are never trained against another."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        digest.update(backend.to_str().encode())
+    else:  # a slow tokenizer: its vocabulary is what ids depend on
+        digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    digest.update((getattr(tokenizer, "chat_template", None) or "").encode())
+    return "sha256:" + digest.hexdigest()[:16]

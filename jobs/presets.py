@@ -1,0 +1,282 @@
+"""Presets: typed configs for the data, feature, training and evaluation jobs, one function per preset.
+
+``quick`` is the local SmolLM2 run on this 2-core CPU (what ``make quickstart`` uses); ``a100-7b`` ..
+``a100-70b`` size the same jobs for LLaMA-class targets on 8 x A100-80GB nodes. Each A100 preset's
+docstring carries its memory arithmetic. Conventions used there (bytes per parameter):
+
+- frozen target in bf16: 2 B/param, partitioned by ZeRO-3 across the ``workers`` ranks of the feature job
+  (stage-3 keeps 1/N of the weights per rank and all-gathers one layer at a time: the working set is the
+  shard plus the largest layer, plus activations);
+- the head (fc + one decoder layer, ~h*(2h) + 12h^2 params, ~0.2-0.9 B params for 4k-8k hidden) trains with
+  AdamW in mixed precision: 2 (bf16 weights) + 2 (grads) + 12 (fp32 master, m, v) = 16 B/param, ZeRO-2
+  shards the 14 B of grads+optimizer state across ranks;
+- the LM-head logits dominate activation memory: tokens x draft_vocab x 4 B (fp32 loss), so the micro batch
+  is set in tokens and the draft vocabulary is reduced to 32k (EAGLE-3, arXiv 2503.01840).
+
+Feature dumps cost tokens x hidden x 2 B (bf16): 68k ShareGPT conversations ~ 60M tokens -> 0.5 TB at
+h=4096, 1 TB at h=8192; the 33B/70B presets therefore train ``online`` (features computed in the loop
+from the ZeRO-3-sharded frozen target) instead of writing them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable
+
+from eagle.errors import EagleError
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """ShareGPT conversations -> tokenised records (``jobs.prepare_data``)."""
+
+    conversations: int = 2000  # how many ShareGPT conversations to take (in file order), before the split
+    eval_fraction: float = 0.02  # held out by a hash of the id, never trained on
+    max_length: int = 1024  # tokens per rendered conversation (truncated)
+    regenerate: bool = False  # replace assistant turns with the target's own answers
+    regen_temperature: float = 0.0  # 0 = greedy regeneration
+    regen_max_new_tokens: int = 512
+    regen_batch_size: int = 32  # prompts per batched generate call
+    regen_workers: int = 1  # Ray workers generating in parallel
+    regen_turns: int = 1  # user turns kept (and answered) per conversation when regenerating
+    shard_records: int = 256  # conversations per shard
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """Frozen target -> feature shards (``jobs.featurize``)."""
+
+    workers: int = 2  # Ray workers; the target is partitioned across them with ZeRO-3
+    zero_stage: int = 3
+    use_gpu: bool = False
+    batch_tokens: int = 4096  # padded tokens per forward pass
+    dtype: str = "bfloat16"  # model and stored-feature dtype
+    aux_layers: bool = False  # also store EAGLE-3 low/mid/high hidden states
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Head training with Ray Train + DeepSpeed (``jobs.train_head``); EAGLE's loss (arXiv 2401.15077 s4)."""
+
+    workers: int = 2
+    use_gpu: bool = False
+    zero_stage: int = 2
+    online: bool = False  # compute features in the loop instead of reading shards
+    batch_tokens: int = 4096  # padded tokens per micro batch per worker
+    grad_accum: int = 1
+    lr: float = 1e-3
+    warmup_steps: int = 50
+    epochs: float = 2.0
+    max_steps: int | None = None  # stop earlier than the epochs (None = no cap)
+    max_minutes: float | None = None  # wall-clock cap on the training loop
+    clip: float = 0.5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    noise: float = 0.1  # U(-noise, noise) on input features
+    w_feature: float = 1.0
+    w_token: float = 0.1
+    draft_vocab_size: int | None = 16384  # None = the full target vocabulary
+    autocast_bf16: bool = True  # bf16 compute, fp32 master weights
+    rollout_depth: int = 1  # >1: also train on the head's own predicted features (EAGLE-3 training-time test)
+    metrics_depth: int = 5  # per-depth top-1 accuracy and simulated acceptance on held-out records
+    checkpoint_every: int = 100  # optimizer steps
+    log_every: int = 10
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Held-out bench (``jobs.evaluate``)."""
+
+    prompts: int = 10  # MT-bench questions (first turn)
+    max_new_tokens: int = 128
+    dtype: str = "bfloat16"
+    temperature: float = 0.0
+    promote_tau: float | None = None  # promote the alias to production when tau >= this
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: str
+    dataset: str
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeatureConfig = field(default_factory=FeatureConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def with_overrides(self, **sections: dict[str, Any]) -> "Preset":
+        """A copy with fields replaced per section, e.g. ``with_overrides(train={"lr": 2e-3})``."""
+        updated = {}
+        for section, values in sections.items():
+            if not values:
+                continue
+            current = getattr(self, section)
+            unknown = set(values) - set(asdict(current))
+            if unknown:
+                raise EagleError(f"unknown {section} setting(s): {', '.join(sorted(unknown))}")
+            updated[section] = replace(current, **values)
+        return replace(self, **updated)
+
+
+def quick() -> Preset:
+    """SmolLM2-135M on this 2-core CPU in about 15 minutes end to end.
+
+    400 ShareGPT conversations cut to 512 tokens (~150k tokens, ~100k of them assistant tokens), features
+    by 2 ZeRO-3 workers in bf16 (~3 minutes), then 2 gloo workers train a 16k-draft-vocabulary head for
+    8 minutes at lr 2e-3 (STACK.md: lr 1e-3..2e-3 beats 3e-5 in short runs). Memory: the target is
+    0.27 GB in bf16, the head 4.3M params (~70 MB with AdamW state); nothing here is tight.
+    """
+    return Preset(
+        name="quick",
+        description="SmolLM2-135M, 400 ShareGPT conversations, ~15 minutes on 2 CPU cores",
+        target="smollm2-135m",
+        dataset="sharegpt-quick",
+        data=DataConfig(conversations=400, max_length=512, shard_records=100),
+        features=FeatureConfig(workers=2, zero_stage=3, batch_tokens=4096, dtype="bfloat16"),
+        train=TrainConfig(
+            workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=20, epochs=20.0,
+            max_minutes=8.0, checkpoint_every=50, log_every=5,
+        ),
+        eval=EvalConfig(prompts=10, max_new_tokens=128, dtype="bfloat16", promote_tau=1.4),
+    )
+
+
+def cpu_long() -> Preset:
+    """SmolLM2-135M, the longer CPU run (<= 90 minutes): 3,000 conversations with answers regenerated by
+    the target (STACK.md: heads on the target's own answers accept more), 45 minutes of training."""
+    return Preset(
+        name="cpu-long",
+        description="SmolLM2-135M, 3,000 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
+        target="smollm2-135m",
+        dataset="sharegpt-regen-3k",
+        data=DataConfig(
+            conversations=3000, max_length=768, regenerate=True, regen_max_new_tokens=384, regen_batch_size=32,
+            regen_workers=1, shard_records=250,
+        ),
+        features=FeatureConfig(workers=2, zero_stage=3, batch_tokens=8192, dtype="bfloat16"),
+        train=TrainConfig(
+            workers=2, zero_stage=2, batch_tokens=8192, lr=2e-3, warmup_steps=50, epochs=40.0,
+            max_minutes=45.0, checkpoint_every=100,
+        ),
+        eval=EvalConfig(prompts=20, max_new_tokens=128, dtype="bfloat16", promote_tau=2.0),
+    )
+
+
+def a100_7b() -> Preset:
+    """A 7B LLaMA-class target (h=4096, 32 layers, vocab 32k-128k) on one 8 x A100-80GB node.
+
+    Features: 8 ranks x ZeRO-3 -> 14 GB / 8 = 1.75 GB of weights per GPU + one gathered layer (0.4 GB);
+    32k-token forward batches need ~10 GB of activations: fits with room. Offline features: 68k
+    conversations ~ 60M tokens x 4096 x 2 B = 0.5 TB (S3).
+    Head: ~0.24B params (fc 33.6M + layer 202M) x 16 B = 3.9 GB, ZeRO-2 over 8 ranks -> ~1 GB per GPU
+    of optimizer state; logits 16k tokens x 32k x 4 B = 2 GB per micro batch. lr 3e-5 x 8 ranks x 2
+    accumulation (the paper's lr at its 16-sequence batch, scaled linearly would overshoot; keep 3e-5
+    warm-started over 2k steps and 20 epochs as in EAGLE).
+    """
+    return Preset(
+        name="a100-7b",
+        description="7B target, 1 node x 8 A100-80GB",
+        target="<hf-dir-of-a-7b-model>",
+        dataset="sharegpt-68k",
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=64, regen_workers=8, shard_records=1000),
+        features=FeatureConfig(workers=8, zero_stage=3, use_gpu=True, batch_tokens=32768),
+        train=TrainConfig(
+            workers=8, use_gpu=True, zero_stage=2, batch_tokens=16384, grad_accum=2, lr=3e-5, warmup_steps=2000,
+            epochs=20.0, draft_vocab_size=32000, checkpoint_every=1000, log_every=50,
+        ),
+        eval=EvalConfig(prompts=80, max_new_tokens=512, promote_tau=3.0),
+    )
+
+
+def a100_13b() -> Preset:
+    """A 13B target (h=5120, 40 layers) on one 8 x A100-80GB node.
+
+    Features: 26 GB of bf16 weights / 8 = 3.3 GB per GPU + a gathered layer (0.6 GB). Offline features:
+    60M tokens x 5120 x 2 B = 0.6 TB. Head ~0.37B params x 16 B = 5.9 GB, ZeRO-2 over 8 -> ~1.4 GB
+    per GPU; 16k-token micro batches with a 32k draft vocabulary: 2 GB of fp32 logits.
+    """
+    return Preset(
+        name="a100-13b",
+        description="13B target, 1 node x 8 A100-80GB",
+        target="<hf-dir-of-a-13b-model>",
+        dataset="sharegpt-68k",
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=48, regen_workers=8, shard_records=1000),
+        features=FeatureConfig(workers=8, zero_stage=3, use_gpu=True, batch_tokens=24576),
+        train=TrainConfig(
+            workers=8, use_gpu=True, zero_stage=2, batch_tokens=16384, grad_accum=2, lr=3e-5, warmup_steps=2000,
+            epochs=20.0, draft_vocab_size=32000, checkpoint_every=1000, log_every=50,
+        ),
+        eval=EvalConfig(prompts=80, max_new_tokens=512, promote_tau=3.0),
+    )
+
+
+def a100_33b() -> Preset:
+    """A 33B target (h=6656, 60 layers) on two 8 x A100-80GB nodes, online features.
+
+    Frozen target: 66 GB bf16 / 16 ranks = 4.1 GB per GPU + a gathered layer (1 GB). A feature dump would
+    be 60M x 6656 x 2 B = 0.8 TB, so the trainer computes features in the loop (``online``) from the
+    ZeRO-3-sharded target: each step = one frozen forward (~2 x 33B x tokens FLOPs) + the head's.
+    Head ~0.62B params x 16 B = 10 GB, ZeRO-2 over 16 -> 0.6 GB per GPU; 8k-token micro batches keep
+    logits (8k x 32k x 4 B = 1 GB) and the target's activations (~8 GB) well inside 80 GB.
+    """
+    return Preset(
+        name="a100-33b",
+        description="33B target, 2 nodes x 8 A100-80GB, online features",
+        target="<hf-dir-of-a-33b-model>",
+        dataset="sharegpt-68k",
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=32, regen_workers=16, shard_records=1000),
+        features=FeatureConfig(workers=16, zero_stage=3, use_gpu=True, batch_tokens=16384),
+        train=TrainConfig(
+            workers=16, use_gpu=True, zero_stage=2, online=True, batch_tokens=8192, grad_accum=4, lr=3e-5,
+            warmup_steps=2000, epochs=10.0, draft_vocab_size=32000, checkpoint_every=500, log_every=50,
+        ),
+        eval=EvalConfig(prompts=80, max_new_tokens=512, promote_tau=3.0),
+    )
+
+
+def a100_70b() -> Preset:
+    """A 70B target (h=8192, 80 layers, GQA) on four 8 x A100-80GB nodes, online features.
+
+    Frozen target: 140 GB bf16 / 32 ranks = 4.4 GB per GPU + a gathered layer (1.7 GB); ZeRO-3 prefetch
+    bucket ~2 layers. Head ~0.9B params (fc 134M + layer ~0.8B) x 16 B = 14 GB, ZeRO-2 over 32 ranks ->
+    0.45 GB per GPU of gradients/optimizer state + 1.8 GB of bf16 weights. 8k-token micro batches: logits
+    8k x 32k x 4 B = 1 GB; the target's activations (no grad, one layer live) ~6 GB. Feature dumps would be
+    1 TB, hence online. Inter-node all-gathers of the frozen weights dominate: 140 GB per step per node
+    over 200 Gb/s InfiniBand ~ 6 s, amortised over 4 accumulation micro batches.
+    """
+    return Preset(
+        name="a100-70b",
+        description="70B target, 4 nodes x 8 A100-80GB, online features",
+        target="<hf-dir-of-a-70b-model>",
+        dataset="sharegpt-68k",
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=16, regen_workers=32, shard_records=1000),
+        features=FeatureConfig(workers=32, zero_stage=3, use_gpu=True, batch_tokens=8192),
+        train=TrainConfig(
+            workers=32, use_gpu=True, zero_stage=2, online=True, batch_tokens=8192, grad_accum=4, lr=3e-5,
+            warmup_steps=2000, epochs=10.0, draft_vocab_size=32000, checkpoint_every=500, log_every=50,
+        ),
+        eval=EvalConfig(prompts=80, max_new_tokens=512, promote_tau=3.0),
+    )
+
+
+PRESETS: dict[str, Callable[[], Preset]] = {
+    "quick": quick,
+    "cpu-long": cpu_long,
+    "a100-7b": a100_7b,
+    "a100-13b": a100_13b,
+    "a100-33b": a100_33b,
+    "a100-70b": a100_70b,
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise EagleError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
