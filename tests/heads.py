@@ -1,10 +1,8 @@
 """Draft heads of known quality for the losslessness tests: a trained ("good") head and a wrong one.
 
 ``good_head(target)`` trains an EAGLE head on the target's own continuations for a few hundred Adam steps
-(seconds on a tiny target) with EAGLE's loss (arXiv 2401.15077, section 4.1): SmoothL1 between predicted and
-true next features plus 0.1 x cross-entropy between the target's next-token distribution and the head's.
-Training is teacher-forced: inputs are features f_0..f_{n-2} paired with tokens x_1..x_{n-1}, targets are
-f_1..f_{n-1}. Trained heads are cached per target so every test reuses them.
+(seconds on a tiny target) with the project's EAGLE loss (``eagle.loss.eagle_loss``, without input noise so
+the heads are exactly repeatable). Trained heads are cached per target so every test reuses them.
 
 ``wrong_head(target)`` is the trained head with its draft distribution reversed: in every context it drafts
 the tokens it finds *least* likely, so its drafts are (almost) never the target's greedy choice and the
@@ -21,11 +19,9 @@ import logging
 from collections.abc import Iterator
 
 import torch
-from torch import nn
-
 from eagle.head import EagleHead
 from eagle.target import Target
-from eagle.tree import causal_mask
+from eagle.loss import LossConfig, eagle_loss
 
 logger = logging.getLogger(__name__)
 
@@ -64,20 +60,13 @@ def train_head(
     tokens = torch.cat([greedy, sampled]).to(target.device)  # [B, n]
     with torch.no_grad():
         features = target.backbone(input_ids=tokens).last_hidden_state  # [B, n, hidden]: f_0..f_{n-1}
-        target_probs = torch.softmax(target.lm_head(features[:, 1:]).double(), dim=-1)  # p(x_{j+2} | f_{j+1})
-    n = tokens.shape[1]
-    inputs, next_tokens, wanted = features[:, :-1], tokens[:, 1:], features[:, 1:]  # f_j, x_{j+1} -> f_{j+1}
-    positions = torch.arange(n - 1, device=target.device).unsqueeze(0)  # [1, n-1]
-    mask = causal_mask(n - 1, 0, features.dtype, target.device)  # [1, 1, n-1, n-1]
+    loss_mask = torch.ones_like(tokens)
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    smooth_l1 = nn.SmoothL1Loss()
+    config = LossConfig(noise=0.0)  # exact, repeatable heads for the losslessness tests
     with single_thread(), torch.random.fork_rng():
         torch.manual_seed(seed)
         for _ in range(steps):
-            predicted = head(inputs, next_tokens, None, positions, mask)  # [B, n-1, hidden]
-            log_q = torch.log_softmax(head.draft_logits(predicted).double(), dim=-1)  # [B, n-1, V]
-            cross_entropy = -(target_probs * log_q).sum(-1).mean()  # H(p_target, q_head)
-            loss = smooth_l1(predicted, wanted) + 0.1 * cross_entropy
+            loss, _ = eagle_loss(head, features, tokens, loss_mask, config)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()

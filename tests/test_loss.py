@@ -1,0 +1,137 @@
+"""The EAGLE loss, the head's rollout (training-time test) and the batching of feature records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle.head import EagleHead
+from eagle.loss import LossConfig, eagle_loss, rollout, rollout_metrics, target_token_ids
+from eagle.train import build_optimizer, collate, token_budget_batches, train_step, warmup_linear
+from eagle.tree import causal_mask
+from tests.heads import continuations, single_thread
+from tests.tiny import tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("llama", vocab_size=64, hidden_size=32, seed=3, logit_scale=3.0)
+
+
+def _features(target, tokens):
+    with torch.no_grad():
+        return target.backbone(input_ids=tokens).last_hidden_state
+
+
+def test_rollout_equals_sequential_drafting_with_a_kv_cache(target):
+    """Depth k of origin j in the parallel rollout = what decoding computes: prefill the head's cache with true
+    inputs 0..j, then feed its own predictions one position at a time."""
+    head = EagleHead.for_target(target, seed=1)
+    tokens = continuations(target, sequences=2, length=12, temperature=1.0, seed=5)
+    features = _features(target, tokens)
+    depth = 4
+    parallel = rollout(head, features, tokens, depth)
+    assert len(parallel) == depth and parallel[0].shape == (2, 11, 32)
+    for origin in (0, 3, 6):
+        cache = head.new_cache()
+        q = origin + 1
+        predicted = head(features[:, :q], tokens[:, 1 : q + 1], cache, torch.arange(q)[None].expand(2, -1), causal_mask(q, 0, features.dtype, features.device))
+        chain = [predicted[:, -1:]]
+        for k in range(1, depth):
+            position = torch.full((2, 1), origin + k)
+            step = head(chain[-1], tokens[:, origin + k + 1 : origin + k + 2], cache, position, None)
+            chain.append(step)
+        for k in range(depth):
+            torch.testing.assert_close(parallel[k][:, origin], chain[k][:, 0], rtol=1e-9, atol=1e-9)
+
+
+def test_depth_one_loss_is_the_papers_formula(target):
+    head = EagleHead.for_target(target, seed=2)
+    tokens = continuations(target, sequences=3, length=10, temperature=1.0, seed=7)
+    features = _features(target, tokens)
+    mask = torch.ones_like(tokens)
+    loss, metrics = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0))
+    n = tokens.shape[1]
+    predicted = head(features[:, :-1], tokens[:, 1:], None, torch.arange(n - 1)[None], causal_mask(n - 1, 0, features.dtype, features.device))
+    predicted, wanted = predicted[:, : n - 2], features[:, 1 : n - 1]  # the last row has no next token to draft
+    p = torch.softmax(target.lm_head(wanted).float(), -1)
+    log_q = torch.log_softmax(target.lm_head(predicted).float(), -1)
+    expected = torch.nn.functional.smooth_l1_loss(predicted, wanted) + 0.1 * (-(p * log_q).sum(-1)).mean()
+    torch.testing.assert_close(loss.double(), expected.double(), rtol=1e-5, atol=1e-6)
+    truth = tokens[:, 2:]
+    assert metrics["acc_1"] == pytest.approx(float((log_q.argmax(-1) == truth).float().mean()))
+
+
+def test_loss_mask_selects_positions(target):
+    head = EagleHead.for_target(target, seed=2)
+    tokens = continuations(target, sequences=2, length=10, temperature=1.0, seed=9)
+    features = _features(target, tokens)
+    mask = torch.zeros_like(tokens)
+    mask[:, 6:] = 1  # "assistant" tokens from position 6: origins 4..7 draft them
+    loss, _ = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0))
+    tail = features.clone()
+    tail[:, 9:] += 5.0  # f_9 is only the target of origin 8, whose draft x_10 does not exist: no loss there
+    loss_tail, _ = eagle_loss(head, tail, tokens, mask, LossConfig(noise=0.0))
+    torch.testing.assert_close(loss, loss_tail)
+    corrupted = features.clone()
+    corrupted[:, 1:4] += 5.0  # inputs that the counted rows read through attention: the loss must move
+    assert not torch.allclose(loss, eagle_loss(head, corrupted, tokens, mask, LossConfig(noise=0.0))[0])
+
+
+def test_training_steps_reduce_loss_and_raise_accuracy(target):
+    head = EagleHead.for_target(target, seed=0)
+    tokens = continuations(target, sequences=16, length=24, temperature=0.0, seed=11)
+    features = _features(target, tokens)
+    records = [{"input_ids": t, "loss_mask": torch.ones_like(t), "features": f} for t, f in zip(tokens, features)]
+    batch = collate(records)
+    optimizer = build_optimizer(head, lr=1e-2)
+    config = LossConfig(depth=2)
+    with single_thread():
+        first = train_step(head, optimizer, batch, config)
+        for _ in range(60):
+            last = train_step(head, optimizer, batch, config)
+    assert last["loss"] < 0.5 * first["loss"]
+    assert last["acc_1"] > first["acc_1"] + 0.2
+    assert "acc_2" in last and last["grad_norm"] >= 0
+    head.eval()
+    metrics = rollout_metrics(head, batch.features, batch.input_ids, batch.loss_mask, depth=3)
+    assert 1.0 <= metrics["sim_tau"] <= 4.0
+    assert metrics["sim_tau"] > 1.0 + 0.5 * metrics["acc_1"]
+
+
+def test_simulated_tau_of_a_one_step_chain_is_one_plus_accuracy(target):
+    head = EagleHead.for_target(target, seed=4)
+    tokens = continuations(target, sequences=4, length=16, temperature=1.0, seed=13)
+    features = _features(target, tokens)
+    metrics = rollout_metrics(head, features, tokens, torch.ones_like(tokens), depth=1)
+    assert metrics["sim_tau"] == pytest.approx(1.0 + metrics["acc_1"])
+    deeper = rollout_metrics(head, features, tokens, torch.ones_like(tokens), depth=3)
+    assert deeper["acc_1"] == pytest.approx(metrics["acc_1"])
+    assert deeper["sim_tau"] >= metrics["sim_tau"]
+
+
+def test_reduced_vocabulary_maps_targets_and_drops_unknown_tokens(target):
+    ids = torch.tensor([1, 5, 7, 30, 63])
+    head = EagleHead.for_target(target, seed=0, draft_token_ids=ids)
+    mapped = target_token_ids(head, torch.tensor([[5, 6, 63, 1]]))
+    assert mapped.tolist() == [[1, -1, 4, 0]]
+    assert (head.draft_to_target(mapped[mapped >= 0]) == torch.tensor([5, 63, 1])).all()
+
+
+def test_token_budget_batches_cover_every_record_once_within_budget():
+    lengths = [5, 300, 17, 64, 64, 1000, 3, 128] * 20
+    batches = token_budget_batches(lengths, 1024, seed=0, epoch=0)
+    seen = sorted(i for batch in batches for i in batch)
+    assert seen == list(range(len(lengths)))
+    for batch in batches:
+        assert len(batch) == 1 or max(lengths[i] for i in batch) * len(batch) <= 1024
+    assert batches == token_budget_batches(lengths, 1024, seed=0, epoch=0)
+    assert batches != token_budget_batches(lengths, 1024, seed=0, epoch=1)
+
+
+def test_warmup_then_decay():
+    values = [warmup_linear(s, warmup=10, total=100) for s in range(120)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)
+    assert values[99] == pytest.approx(0.1 + 0.9 * (1 / 90), rel=1e-6) or values[100] == pytest.approx(0.1)
+    assert min(values[10:]) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(values[10:], values[11:]))
