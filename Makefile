@@ -39,5 +39,17 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The local stack (Ray head + MLflow server on 127.0.0.1; settings in infra/local/stack.sh). `stack-up` prints
+# the env to export (also written to .mlflow/stack.env); `stack-down` stops only what `stack-up` started.
+.PHONY: stack-up stack-down stack-status
+stack-up: install
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh up
+
+stack-down:
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh down
+
+stack-status:
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh status
+
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

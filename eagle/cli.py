@@ -39,7 +39,8 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
     parser.add_argument(
         "--head",
         default=head_default,
-        help="head directory, 'random' (untrained, fixed seed) or 'none' (plain decoding)",
+        help="head directory, a registry URI such as models:/<name>@<alias> (resolved by an installed "
+        "eagle.head_resolvers plug-in), 'random' (untrained, fixed seed) or 'none' (plain decoding)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     parser.add_argument("--tree", default="dynamic", choices=["static", "dynamic"], help="draft tree policy")
@@ -105,17 +106,49 @@ def _tree(args):
     )
 
 
+HEAD_RESOLVERS_GROUP = "eagle.head_resolvers"
+
+
+def resolve_head_spec(spec: str) -> str:
+    """A ``--head`` value as a local directory. A URI (``<scheme>://...`` or ``models:/...``) goes to the
+    resolver registered for its scheme in the ``eagle.head_resolvers`` entry-point group (eagle-platform
+    registers ``models`` -> ``eagle_platform.registry:resolve_head``), which returns a local directory; the
+    engine itself never talks to a registry. Anything else is already a directory."""
+    if "://" not in spec and not spec.startswith("models:/"):
+        return spec
+    from importlib.metadata import entry_points
+
+    from eagle.errors import EagleError
+
+    scheme = spec.split(":", 1)[0]
+    resolvers = {ep.name: ep for ep in entry_points(group=HEAD_RESOLVERS_GROUP)}
+    if scheme not in resolvers:
+        known = ", ".join(sorted(resolvers)) or "none installed"
+        raise EagleError(f"no head resolver for {scheme}: URIs ({HEAD_RESOLVERS_GROUP} plug-ins: {known})")
+    try:
+        resolver = resolvers[scheme].load()
+    except ImportError as err:
+        raise EagleError(f"head resolver {scheme!r} ({resolvers[scheme].value}) cannot be imported: {err}") from None
+    try:
+        return str(resolver(spec))
+    except EagleError:
+        raise
+    except ValueError as err:  # resolvers report bad input as ValueError subclasses (e.g. RegistryError)
+        raise EagleError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
 def _load(args):
     from eagle.head import EagleHead
     from eagle.target import load_target
 
+    head_dir = None if args.head in ("none", "random") else resolve_head_spec(args.head)  # fail before the load
     target = load_target(args.target, dtype=args.dtype)
     if args.head == "none":
         head = None
     elif args.head == "random":
         head = EagleHead.for_target(target, seed=0)
     else:
-        head = EagleHead.from_pretrained(args.head, target)
+        head = EagleHead.from_pretrained(head_dir, target)
     return target, head
 
 

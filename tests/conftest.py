@@ -16,3 +16,17 @@ def smollm2():
     from eagle import load_target
 
     return load_target("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real MLflow tracking server for the whole session (sqlite + proxied artifacts in a temporary
+    folder, one worker; see tests/mlflow_server.py). Yields its URI, e.g. ``http://127.0.0.1:43117``;
+    tests point ``MLFLOW_TRACKING_URI`` at it with ``monkeypatch.setenv``."""
+    from mlflow_server import start_mlflow_server, stop_mlflow_server
+
+    uri, process = start_mlflow_server(tmp_path_factory.mktemp("mlflow"))
+    try:
+        yield uri
+    finally:
+        stop_mlflow_server(process)

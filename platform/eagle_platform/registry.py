@@ -1,0 +1,629 @@
+"""The registry adapter: the single place that knows how targets, heads and their link live in MLflow.
+
+Naming (one registered model per target, one per target's heads):
+
+- a **target** is registered as model ``<target_name>`` (e.g. ``smollm2-135m``); each version holds a small
+  card artifact ``target/target.json`` (name, revision, spec, architecture, ...) and the tag
+  ``target_revision``. One version per revision: registering the same revision again returns it.
+- a **head** for that target is registered as model ``<target_name>-eagle`` (e.g. ``smollm2-135m-eagle``);
+  each version's source is a head directory (``config.json`` + ``model.safetensors``) logged as an artifact
+  of the training run, and its tags link it to the target: ``target_name``, ``target_revision``,
+  ``target_model_version``.
+- aliases, never stages: ``candidate`` (a freshly trained head) and ``production`` (promoted after its
+  evaluation gate). ``models:/smollm2-135m-eagle@production`` names the head to serve.
+
+Every call talks to MLflow through ``MlflowClient`` with explicit run ids (no global active run), at
+``tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or the local stack's ``http://127.0.0.1:5000``. Every failure the
+user can act on (no server, unknown model / alias / version, missing artifacts) is a ``RegistryError`` with a
+one-line message. No torch here: the control plane is torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus
+from mlflow.exceptions import MlflowException
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
+HEAD_MODEL_SUFFIX = "-eagle"
+CANDIDATE = "candidate"
+PRODUCTION = "production"
+TARGET_CARD_PATH = "target/target.json"
+TARGETS_EXPERIMENT = "eagle-targets"
+HEAD_FILES = ("config.json", "model.safetensors")
+_CACHE_MARKER = ".eagle-registry.json"
+_MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[^/@]+))/?$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class RegistryError(ValueError):
+    """The registry cannot do what was asked; the message is one line meant for the user.
+
+    A ``ValueError`` (like ``eagle.errors.EagleError``) rather than an ``EagleError``: importing ``eagle``
+    imports torch, and the control plane stays torch-free. Callers turn it into one line and exit code 2.
+    """
+
+
+# ---------------------------------------------------------------------------------------------- naming
+
+
+def tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else the local stack's server (``make stack-up``)."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def target_model_name(target_name: str) -> str:
+    """Registered model that holds a target's versions: the target's own name."""
+    _check_name(target_name, "target name")
+    return target_name
+
+
+def head_model_name(target_name: str) -> str:
+    """Registered model that holds the heads of a target: ``<target_name>-eagle``."""
+    _check_name(target_name, "target name")
+    return f"{target_name}{HEAD_MODEL_SUFFIX}"
+
+
+def head_uri(target_name: str, alias: str = PRODUCTION) -> str:
+    """``models:/<target_name>-eagle@<alias>``: what ``eaglectl --head`` and the server take."""
+    return f"models:/{head_model_name(target_name)}@{alias}"
+
+
+def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
+    """``models:/<name>@<alias>`` or ``models:/<name>/<version>`` -> (name, alias, version)."""
+    match = _MODELS_URI.match(uri.strip())
+    if not match:
+        raise RegistryError(f"bad model URI {uri!r}: expected models:/<name>@<alias> or models:/<name>/<version>")
+    return match["name"], match["alias"], match["version"]
+
+
+def _check_name(name: str, what: str) -> None:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise RegistryError(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-' (no '/', '@' or spaces)")
+
+
+# ------------------------------------------------------------------------------------------ connection
+
+
+def client(uri: str | None = None) -> MlflowClient:
+    """An ``MlflowClient`` for tracking and registry at ``uri`` (default ``tracking_uri()``), after checking
+    that an HTTP server answers there (fails fast with one line instead of MLflow's retry loop)."""
+    uri = uri or tracking_uri()
+    _check_reachable(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def _no_server(uri: str) -> RegistryError:
+    return RegistryError(
+        f"no MLflow tracking server at {uri}: start the local stack with `make stack-up` or set MLFLOW_TRACKING_URI"
+    )
+
+
+_REACHABLE: dict[str, float] = {}  # uri -> when /health last answered (monotonic)
+_REACHABLE_TTL_S = 30.0
+
+
+def _check_reachable(uri: str) -> None:
+    if not uri.startswith(("http://", "https://")):
+        return  # sqlite:, file:, databricks ...: nothing to probe
+    if time.monotonic() - _REACHABLE.get(uri, -1e9) < _REACHABLE_TTL_S:
+        return  # checked moments ago; a server lost since then still fails in one line (_mlflow_errors)
+    timeout = float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT") or 5)
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=min(timeout, 10.0)):
+            pass
+    except urllib.error.HTTPError:
+        pass  # something answers HTTP (an auth proxy, a path prefix): let MLflow's own calls decide
+    except (urllib.error.URLError, OSError, ValueError):
+        _REACHABLE.pop(uri, None)
+        raise _no_server(uri) from None
+    _REACHABLE[uri] = time.monotonic()
+
+
+@contextlib.contextmanager
+def _mlflow_errors(uri: str, context: str) -> Iterator[None]:
+    """Turn MLflow's exceptions into one-line ``RegistryError``s."""
+    try:
+        yield
+    except RegistryError:
+        raise
+    except MlflowException as err:
+        message = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "Max retries exceeded" in message or "Failed to establish a new connection" in message:
+            raise _no_server(uri) from None
+        raise RegistryError(f"{context}: {message}") from None
+    except OSError as err:  # requests' ConnectionError is an OSError
+        raise RegistryError(f"{context}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+
+
+def _error_code(err: MlflowException) -> str:
+    return getattr(err, "error_code", "") or ""
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+
+def get_or_create_experiment(name: str, *, uri: str | None = None) -> str:
+    """The id of experiment ``name``, created if missing (a deleted one is restored)."""
+    uri = uri or tracking_uri()
+    mlflow_client = client(uri)
+    with _mlflow_errors(uri, f"experiment {name!r}"):
+        experiment = mlflow_client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                return mlflow_client.create_experiment(name)
+            except MlflowException as err:  # created meanwhile by another process
+                if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                experiment = mlflow_client.get_experiment_by_name(name)
+        if experiment.lifecycle_stage == "deleted":
+            mlflow_client.restore_experiment(experiment.experiment_id)
+        return experiment.experiment_id
+
+
+def find_run(
+    experiment: str,
+    run_name: str,
+    *,
+    tags: Mapping[str, str] | None = None,
+    statuses: tuple[str, ...] | None = None,
+    uri: str | None = None,
+) -> str | None:
+    """The newest run named ``run_name`` in ``experiment`` (matching every tag in ``tags`` and one of
+    ``statuses``, e.g. ``("RUNNING", "FAILED")`` when resuming), or None."""
+    uri = uri or tracking_uri()
+    mlflow_client = client(uri)
+    with _mlflow_errors(uri, f"searching runs of {experiment!r}"):
+        found = mlflow_client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        clauses = [f"attributes.run_name = {_quote(run_name)}"]
+        clauses += [f"tags.{_tag_key(key)} = {_quote(str(value))}" for key, value in (tags or {}).items()]
+        runs = mlflow_client.search_runs(
+            [found.experiment_id], filter_string=" and ".join(clauses), order_by=["attributes.start_time DESC"], max_results=100
+        )
+    for run in runs:
+        if statuses is None or run.info.status in statuses:
+            return run.info.run_id
+    return None
+
+
+def start_run(
+    experiment: str,
+    run_name: str,
+    tags: Mapping[str, str] | None = None,
+    *,
+    resume: bool = False,
+    uri: str | None = None,
+) -> str:
+    """A new run in ``experiment`` (created if missing); with ``resume``, the newest unfinished (RUNNING,
+    FAILED or KILLED) run with the same name and tags is reopened instead. Returns the run id."""
+    uri = uri or tracking_uri()
+    if resume:
+        run_id = find_run(experiment, run_name, tags=tags, statuses=("RUNNING", "FAILED", "KILLED"), uri=uri)
+        if run_id is not None:
+            with _mlflow_errors(uri, f"reopening run {run_id}"):
+                client(uri).update_run(run_id, status="RUNNING")
+            logger.info("resuming MLflow run %s (%s)", run_id, run_name)
+            return run_id
+    experiment_id = get_or_create_experiment(experiment, uri=uri)
+    with _mlflow_errors(uri, f"starting run {run_name!r}"):
+        run = client(uri).create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items()})
+    return run.info.run_id
+
+
+def log_params(run_id: str, params: Mapping[str, Any], *, uri: str | None = None) -> None:
+    """Log params (values as strings; MLflow keeps a param's first value: log each key once per run)."""
+    if not params:
+        return
+    uri = uri or tracking_uri()
+    with _mlflow_errors(uri, f"logging params to run {run_id}"):
+        client(uri).log_batch(run_id, params=[Param(str(k), _param_value(v)) for k, v in params.items()])
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float], step: int | None = None, *, uri: str | None = None) -> None:
+    """Log numeric metrics at ``step`` (one batch request)."""
+    if not metrics:
+        return
+    uri = uri or tracking_uri()
+    now = int(time.time() * 1000)
+    batch = [Metric(str(k), float(v), now, int(step or 0)) for k, v in metrics.items()]
+    with _mlflow_errors(uri, f"logging metrics to run {run_id}"):
+        client(uri).log_batch(run_id, metrics=batch)
+
+
+def set_tags(run_id: str, tags: Mapping[str, Any], *, uri: str | None = None) -> None:
+    uri = uri or tracking_uri()
+    with _mlflow_errors(uri, f"tagging run {run_id}"):
+        mlflow_client = client(uri)
+        for key, value in tags.items():
+            mlflow_client.set_tag(run_id, str(key), str(value))
+
+
+def log_dict(run_id: str, dictionary: Mapping[str, Any], artifact_file: str, *, uri: str | None = None) -> None:
+    """Log ``dictionary`` as a JSON (or YAML, by extension) artifact at ``artifact_file``."""
+    uri = uri or tracking_uri()
+    with _mlflow_errors(uri, f"logging {artifact_file} to run {run_id}"):
+        client(uri).log_dict(run_id, dict(dictionary), artifact_file)
+
+
+def log_artifact(run_id: str, local_path: str | os.PathLike, artifact_path: str | None = None, *, uri: str | None = None) -> None:
+    """Upload a file, or a directory's contents, under ``artifact_path`` of the run."""
+    uri = uri or tracking_uri()
+    path = Path(local_path)
+    if not path.exists():
+        raise RegistryError(f"cannot log {path}: no such file or directory")
+    with _mlflow_errors(uri, f"logging {path} to run {run_id}"):
+        if path.is_dir():
+            client(uri).log_artifacts(run_id, str(path), artifact_path)
+        else:
+            client(uri).log_artifact(run_id, str(path), artifact_path)
+
+
+def finish_run(run_id: str, status: str = "FINISHED", *, uri: str | None = None) -> None:
+    """Mark the run FINISHED, FAILED or KILLED."""
+    if status not in ("FINISHED", "FAILED", "KILLED"):
+        raise RegistryError(f"bad run status {status!r}: expected FINISHED, FAILED or KILLED")
+    uri = uri or tracking_uri()
+    with _mlflow_errors(uri, f"finishing run {run_id}"), contextlib.redirect_stdout(sys.stderr):
+        # MLflow prints "View run ... at ..." links on stdout; stdout belongs to the CLIs' output
+        client(uri).set_terminated(run_id, status=status)
+
+
+def run_info(run_id: str, *, uri: str | None = None) -> dict[str, Any]:
+    """Status, name, artifact URI, params, metrics (latest) and tags of a run."""
+    uri = uri or tracking_uri()
+    with _mlflow_errors(uri, f"run {run_id}"):
+        run = client(uri).get_run(run_id)
+    return {
+        "run_id": run.info.run_id,
+        "run_name": run.info.run_name,
+        "experiment_id": run.info.experiment_id,
+        "status": run.info.status,
+        "artifact_uri": run.info.artifact_uri,
+        "params": dict(run.data.params),
+        "metrics": dict(run.data.metrics),
+        "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")},
+    }
+
+
+# -------------------------------------------------------------------------------------------- targets
+
+
+def register_target(
+    target_name: str,
+    revision: str,
+    card: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    *,
+    uri: str | None = None,
+) -> str:
+    """Register ``target_name`` at ``revision`` as a version of model ``target_name``; returns the version.
+
+    Idempotent: a version tagged with the same ``target_revision`` is returned as is. Otherwise the card
+    (name, revision and whatever ``card`` holds: spec, architecture, ...) is logged as ``target/target.json``
+    to ``run_id`` (or to a new, finished run in experiment ``eagle-targets``) and that folder is registered.
+    """
+    uri = uri or tracking_uri()
+    name = target_model_name(target_name)
+    revision = str(revision)
+    existing = target_version(target_name, revision, uri=uri)
+    if existing is not None:
+        return existing
+    own_run = run_id is None
+    if own_run:
+        run_id = start_run(TARGETS_EXPERIMENT, f"{target_name}@{revision}", {"target_name": target_name, "target_revision": revision}, uri=uri)
+    full_card = {**dict(card or {}), "name": target_name, "revision": revision}
+    try:
+        log_dict(run_id, full_card, TARGET_CARD_PATH, uri=uri)
+        version = _register_version(
+            name, run_id, TARGET_CARD_PATH.rsplit("/", 1)[0],
+            {"kind": "target", "target_name": target_name, "target_revision": revision}, uri=uri,
+        )
+    except Exception:
+        if own_run:
+            _finish_quietly(run_id, "FAILED", uri)
+        raise
+    if own_run:
+        finish_run(run_id, uri=uri)
+    logger.info("registered target %s revision %s as version %s", target_name, revision, version)
+    return version
+
+
+def target_version(target_name: str, revision: str, *, uri: str | None = None) -> str | None:
+    """The version of model ``target_name`` registered for ``revision``, or None."""
+    uri = uri or tracking_uri()
+    name = target_model_name(target_name)
+    with _mlflow_errors(uri, f"searching versions of {name!r}"):
+        versions = client(uri).search_model_versions(
+            f"name = {_quote(name)} and tags.target_revision = {_quote(str(revision))}"
+        )
+    ready = sorted((v for v in versions if v.status == "READY"), key=lambda v: int(v.version))
+    return ready[0].version if ready else None
+
+
+def target_card(target_name: str, version: str | None = None, *, uri: str | None = None) -> dict[str, Any]:
+    """The card (``target/target.json``) of a target version (default: the newest)."""
+    uri = uri or tracking_uri()
+    name = target_model_name(target_name)
+    mlflow_client = client(uri)
+    with _mlflow_errors(uri, f"target {name!r}"):
+        if version is None:
+            versions = mlflow_client.search_model_versions(f"name = {_quote(name)}")
+            if not versions:
+                raise RegistryError(f"target {target_name!r} is not registered at {uri}")
+            version = max(versions, key=lambda v: int(v.version)).version
+        model_version = _get_version(mlflow_client, uri, name, version=str(version))
+    with tempfile.TemporaryDirectory() as tmp, _mlflow_errors(uri, f"downloading the card of {name} version {version}"):
+        import mlflow.artifacts
+
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"{model_version.source.rstrip('/')}/target.json", dst_path=tmp, tracking_uri=uri
+        )
+        return json.loads(Path(local).read_text())
+
+
+# ---------------------------------------------------------------------------------------------- heads
+
+
+def register_head(
+    run_id: str,
+    head_artifact_path: str,
+    target_name: str,
+    target_revision: str,
+    alias: str | None = CANDIDATE,
+    tags: Mapping[str, Any] | None = None,
+    *,
+    target_model_version: str | None = None,
+    uri: str | None = None,
+) -> str:
+    """Register the head directory logged at ``head_artifact_path`` of run ``run_id`` as a new version of
+    ``<target_name>-eagle``, tagged with its target, and point ``alias`` at it. Returns the version.
+
+    The head's files must already be logged (``config.json`` and ``model.safetensors`` under that path), and
+    the target must be registered at ``target_revision`` (``register_target``; its version is the
+    ``target_model_version`` tag). All or nothing: when a step fails, a registered model created by this
+    call is deleted again, and so is a version it created.
+    """
+    uri = uri or tracking_uri()
+    name = head_model_name(target_name)
+    target_revision = str(target_revision)
+    mlflow_client = client(uri)
+    artifact_path = head_artifact_path.strip("/")
+    with _mlflow_errors(uri, f"listing artifacts of run {run_id}"):
+        present = {Path(f.path).name for f in mlflow_client.list_artifacts(run_id, artifact_path) if not f.is_dir}
+    missing = [f for f in HEAD_FILES if f not in present]
+    if missing:
+        raise RegistryError(f"run {run_id} has no head at {artifact_path!r}: missing {', '.join(missing)} (log the head before registering it)")
+    if target_model_version is None:
+        target_model_version = target_version(target_name, target_revision, uri=uri)
+        if target_model_version is None:
+            raise RegistryError(
+                f"target {target_name!r} revision {target_revision!r} is not registered: register the target before its heads"
+            )
+    all_tags = {
+        **{str(k): str(v) for k, v in (tags or {}).items()},
+        "kind": "eagle-head",
+        "target_name": target_name,
+        "target_revision": target_revision,
+        "target_model_version": str(target_model_version),
+    }
+    version = _register_version(name, run_id, artifact_path, all_tags, alias=alias, uri=uri)
+    logger.info("registered head %s version %s (run %s)%s", name, version, run_id, f" as @{alias}" if alias else "")
+    return version
+
+
+def promote(target_name: str, version: str | int, alias: str = PRODUCTION, *, uri: str | None = None) -> None:
+    """Point ``alias`` (default ``production``) of ``<target_name>-eagle`` at ``version``."""
+    uri = uri or tracking_uri()
+    name = head_model_name(target_name)
+    mlflow_client = client(uri)
+    _get_version(mlflow_client, uri, name, version=str(version))  # one clear line for an unknown version
+    with _mlflow_errors(uri, f"setting alias {alias!r} of {name!r}"):
+        mlflow_client.set_registered_model_alias(name, alias, str(version))
+    logger.info("%s@%s -> version %s", name, alias, version)
+
+
+def head_version_info(name: str, alias: str | None = PRODUCTION, *, version: str | None = None, uri: str | None = None) -> dict[str, Any]:
+    """What ``models:/<name>@<alias>`` (or ``/<version>``) points at: version, run_id, source, tags, aliases.
+    ``name`` is the registered model name (``head_model_name(target)``)."""
+    uri = uri or tracking_uri()
+    mlflow_client = client(uri)
+    model_version = _get_version(mlflow_client, uri, name, alias=None if version is not None else alias, version=version)
+    with _mlflow_errors(uri, f"registered model {name!r}"):
+        model = mlflow_client.get_registered_model(name)
+    return {
+        "name": name,
+        "version": model_version.version,
+        "run_id": model_version.run_id,
+        "source": model_version.source,
+        "tags": dict(model_version.tags),
+        "aliases": sorted(a for a, v in model.aliases.items() if v == model_version.version),
+    }
+
+
+def cache_dir() -> Path:
+    """``$EAGLE_CACHE_DIR/heads`` or ``~/.cache/eagle-platform/heads``."""
+    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
+    return Path(root) / "heads"
+
+
+def resolve_head(uri: str, *, tracking: str | None = None) -> str:
+    """A local directory holding the head named by ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
+
+    Downloads into ``cache_dir()/<name>/<version>`` (atomically: a temporary folder renamed into place) and
+    reuses that folder while it holds the same run's files. This is the ``models`` resolver of the
+    ``eagle.head_resolvers`` entry-point group, so ``eaglectl --head models:/...`` works.
+    """
+    name, alias, version = parse_models_uri(uri)
+    tracking = tracking or tracking_uri()
+    mlflow_client = client(tracking)
+    model_version = _get_version(mlflow_client, tracking, name, alias=alias, version=version)
+    marker = {"name": name, "version": model_version.version, "run_id": model_version.run_id, "source": model_version.source}
+    dest = cache_dir() / name / str(model_version.version)
+    if _cached(dest, marker):
+        logger.debug("%s: cached at %s", uri, dest)
+        return str(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model_version.version}-", dir=dest.parent))
+    try:
+        import mlflow.artifacts
+
+        with _mlflow_errors(tracking, f"downloading {name} version {model_version.version}"):
+            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=str(tmp / "dl"), tracking_uri=tracking))
+        missing = [f for f in HEAD_FILES if not (local / f).is_file()]
+        if missing:
+            raise RegistryError(f"{name} version {model_version.version} is not a head directory: missing {', '.join(missing)}")
+        (local / _CACHE_MARKER).write_text(json.dumps(marker))
+        if dest.exists() and not _cached(dest, marker):
+            shutil.rmtree(dest, ignore_errors=True)  # a stale copy (another server's version with this number)
+        try:
+            os.replace(local, dest)
+        except OSError:
+            if not _cached(dest, marker):  # else another process put the same files in place meanwhile
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("%s -> version %s, downloaded to %s", uri, model_version.version, dest)
+    return str(dest)
+
+
+# ------------------------------------------------------------------------------------------- internals
+
+
+def _register_version(
+    name: str, run_id: str, artifact_path: str, tags: Mapping[str, str], *, alias: str | None = None, uri: str
+) -> str:
+    """Create ``name`` if missing, a version whose source is the run's ``artifact_path``, and the alias;
+    undo what this call created when a step fails."""
+    mlflow_client = client(uri)
+    created_model = False
+    version = None
+    try:
+        with _mlflow_errors(uri, f"registering {name!r}"):
+            run = mlflow_client.get_run(run_id)
+            try:
+                mlflow_client.get_registered_model(name)
+            except MlflowException as err:
+                if _error_code(err) != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                try:
+                    mlflow_client.create_registered_model(name)
+                    created_model = True
+                except MlflowException as exists:  # created meanwhile by another process
+                    if _error_code(exists) != "RESOURCE_ALREADY_EXISTS":
+                        raise
+            source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+            with contextlib.redirect_stdout(sys.stderr):
+                model_version = mlflow_client.create_model_version(name, source=source, run_id=run_id, tags=dict(tags))
+            version = model_version.version
+            if model_version.status != "READY":
+                raise RegistryError(f"{name} version {version} is {model_version.status}: {model_version.status_message}")
+            if alias:
+                mlflow_client.set_registered_model_alias(name, alias, version)
+        return version
+    except BaseException:
+        with contextlib.suppress(Exception):
+            if created_model:
+                mlflow_client.delete_registered_model(name)
+            elif version is not None:
+                mlflow_client.delete_model_version(name, version)
+        raise
+
+
+def _get_version(mlflow_client: MlflowClient, uri: str, name: str, *, alias: str | None = None, version: str | None = None):
+    with _mlflow_errors(uri, f"registered model {name!r}"):
+        try:
+            model = mlflow_client.get_registered_model(name)
+        except MlflowException as err:
+            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"no registered model {name!r} at {uri}") from None
+            raise
+        if alias is not None:
+            if alias not in model.aliases:
+                known = ", ".join(sorted(model.aliases)) or "none"
+                raise RegistryError(f"registered model {name!r} has no alias {alias!r} (aliases: {known})")
+            return mlflow_client.get_model_version(name, model.aliases[alias])
+        if version is None:
+            raise RegistryError(f"model {name!r}: give an alias or a version")
+        if not str(version).isdigit():
+            raise RegistryError(f"model {name!r}: version must be a number, got {version!r}")
+        try:
+            return mlflow_client.get_model_version(name, str(version))
+        except MlflowException as err:
+            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"registered model {name!r} has no version {version}") from None
+            raise
+
+
+def _cached(dest: Path, marker: Mapping[str, Any]) -> bool:
+    try:
+        return json.loads((dest / _CACHE_MARKER).read_text()) == dict(marker) and all((dest / f).is_file() for f in HEAD_FILES)
+    except (OSError, ValueError):
+        return False
+
+
+def _finish_quietly(run_id: str, status: str, uri: str) -> None:
+    with contextlib.suppress(Exception):
+        finish_run(run_id, status, uri=uri)
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _tag_key(key: str) -> str:
+    return key if re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", key) else f"`{key}`"
+
+
+def _param_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text[:6000]
+
+
+__all__ = [
+    "CANDIDATE",
+    "DEFAULT_TRACKING_URI",
+    "PRODUCTION",
+    "RegistryError",
+    "cache_dir",
+    "client",
+    "find_run",
+    "finish_run",
+    "get_or_create_experiment",
+    "head_model_name",
+    "head_uri",
+    "head_version_info",
+    "log_artifact",
+    "log_dict",
+    "log_metrics",
+    "log_params",
+    "parse_models_uri",
+    "promote",
+    "register_head",
+    "register_target",
+    "resolve_head",
+    "run_info",
+    "set_tags",
+    "start_run",
+    "target_card",
+    "target_model_name",
+    "target_version",
+    "tracking_uri",
+]

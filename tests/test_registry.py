@@ -1,0 +1,245 @@
+"""The registry adapter (platform/eagle_platform/registry.py) against a real MLflow server, and
+``eaglectl --head models:/...`` through the ``eagle.head_resolvers`` plug-in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from eagle_platform import registry
+from eagle_platform.registry import RegistryError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def mlflow_env(mlflow_server, monkeypatch, tmp_path):
+    """Point the registry at the session's server and its head cache at this test's folder."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    return mlflow_server
+
+
+def fake_head(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps({"model_type": "eagle-head", "hidden_size": 4}))
+    save_file({"fc.weight": np.arange(32, dtype=np.float32).reshape(4, 8)}, str(directory / "model.safetensors"))
+    return directory
+
+
+def train_run(head_dir: Path, run_name: str = "train") -> str:
+    run_id = registry.start_run("eagle-test-training", run_name, {"target_name": "smollm2-135m"})
+    registry.log_params(run_id, {"lr": 1e-3, "preset": "quick"})
+    registry.log_metrics(run_id, {"loss": 1.5, "top1": 0.4}, step=3)
+    registry.log_artifact(run_id, head_dir, "head")
+    return run_id
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err)
+    assert text and "\n" not in text, repr(text)
+    return text
+
+
+# ----------------------------------------------------------------------------------------- no server
+
+
+def test_registry_imports_no_torch():
+    code = "import sys, eagle_platform.registry; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT / "platform", check=True, timeout=120)
+
+
+def test_tracking_uri_defaults_to_the_local_stack(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert registry.tracking_uri() == "http://127.0.0.1:5000"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.example:80")
+    assert registry.tracking_uri() == "http://mlflow.example:80"
+
+
+def test_names_and_model_uris():
+    assert registry.head_model_name("smollm2-135m") == "smollm2-135m-eagle"
+    assert registry.target_model_name("smollm2-135m") == "smollm2-135m"
+    assert registry.head_uri("smollm2-135m") == "models:/smollm2-135m-eagle@production"
+    assert registry.parse_models_uri("models:/smollm2-135m-eagle@production") == ("smollm2-135m-eagle", "production", None)
+    assert registry.parse_models_uri("models:/smollm2-135m-eagle/3") == ("smollm2-135m-eagle", None, "3")
+    for bad in ("models:/", "models:/a/b/c", "runs:/abc/head", "models:/a@"):
+        with pytest.raises(RegistryError):
+            registry.parse_models_uri(bad)
+    with pytest.raises(RegistryError):
+        registry.head_model_name("org/model")
+
+
+def test_unreachable_server_fails_fast_in_one_line(monkeypatch):
+    from mlflow_server import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    start = time.monotonic()
+    for call in (lambda: registry.resolve_head("models:/smollm2-135m-eagle@production"), lambda: registry.start_run("e", "r")):
+        with pytest.raises(RegistryError) as err:
+            call()
+        message = one_line(err.value)
+        assert message.startswith("no MLflow tracking server at http://127.0.0.1:") and "make stack-up" in message
+    assert time.monotonic() - start < 5
+
+
+# ----------------------------------------------------------------------------------- with a server
+
+
+def test_runs_log_and_resume(mlflow_env, tmp_path):
+    run_id = registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"})
+    registry.log_params(run_id, {"lr": 0.001, "layers": [1, 2]})
+    registry.log_metrics(run_id, {"loss": 2.0}, step=1)
+    registry.log_metrics(run_id, {"loss": 1.0}, step=2)
+    registry.log_dict(run_id, {"a": 1}, "config/train.json")
+    registry.finish_run(run_id, "FAILED")
+    assert registry.find_run("eagle-test-runs", "resumable", tags={"job": "train-1"}) == run_id
+    assert registry.find_run("eagle-test-runs", "resumable", tags={"job": "other"}) is None
+    assert registry.find_run("no-such-experiment", "resumable") is None
+
+    resumed = registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True)
+    assert resumed == run_id
+    info = registry.run_info(run_id)
+    assert info["status"] == "RUNNING" and info["params"] == {"lr": "0.001", "layers": "[1, 2]"}
+    assert info["metrics"] == {"loss": 1.0} and info["tags"] == {"job": "train-1"}
+    registry.finish_run(run_id)
+    assert registry.run_info(run_id)["status"] == "FINISHED"
+    # a finished run is not reopened: resuming starts a new one
+    assert registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True) != run_id
+    with pytest.raises(RegistryError):
+        registry.finish_run(run_id, "DONE")
+
+
+def test_register_target_is_idempotent_and_keeps_a_card(mlflow_env):
+    card = {"spec": "smollm2-135m", "architecture": "LlamaForCausalLM", "hidden_size": 576}
+    version = registry.register_target("smollm2-135m", "q4_1-v1", card)
+    assert registry.register_target("smollm2-135m", "q4_1-v1", card) == version
+    assert registry.target_version("smollm2-135m", "q4_1-v1") == version
+    assert registry.target_version("smollm2-135m", "never") is None
+    assert registry.target_card("smollm2-135m", version) == {**card, "name": "smollm2-135m", "revision": "q4_1-v1"}
+    other = registry.register_target("smollm2-135m", "q4_1-v2", card)
+    assert int(other) > int(version)
+
+
+def test_register_promote_and_resolve_a_head(mlflow_env, tmp_path):
+    target_version = registry.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
+    run_id = train_run(fake_head(tmp_path / "head"))
+    version = registry.register_head(run_id, "head", "smollm2-135m", "q4_1-v1", tags={"tau": "1.8"})
+
+    candidate = registry.head_version_info("smollm2-135m-eagle", "candidate")
+    assert candidate["version"] == version and candidate["run_id"] == run_id and "candidate" in candidate["aliases"]
+    assert candidate["tags"]["target_name"] == "smollm2-135m"
+    assert candidate["tags"]["target_revision"] == "q4_1-v1"
+    assert candidate["tags"]["target_model_version"] == target_version
+    assert candidate["tags"]["tau"] == "1.8"
+
+    registry.promote("smollm2-135m", version)
+    production = registry.head_version_info("smollm2-135m-eagle", "production")
+    assert production["version"] == version and {"candidate", "production"} <= set(production["aliases"])
+
+    local = Path(registry.resolve_head("models:/smollm2-135m-eagle@production"))
+    assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["config.json", "model.safetensors"]
+    assert (local / "model.safetensors").read_bytes() == (tmp_path / "head" / "model.safetensors").read_bytes()
+    assert local.is_relative_to(tmp_path / "cache" / "heads" / "smollm2-135m-eagle")
+    stamp = (local / "model.safetensors").stat().st_mtime_ns
+    assert registry.resolve_head(f"models:/smollm2-135m-eagle/{version}") == str(local)  # cached, not downloaded again
+    assert (local / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_unknown_model_alias_or_version_is_one_line(mlflow_env, tmp_path):
+    registry.register_target("smollm2-135m", "q4_1-v1", {})
+    registry.register_head(train_run(fake_head(tmp_path / "head")), "head", "smollm2-135m", "q4_1-v1")
+    cases = {
+        "models:/smollm2-135m-eagle@no-such-alias": "has no alias 'no-such-alias'",
+        "models:/smollm2-135m-eagle/9999": "has no version 9999",
+        "models:/no-such-target-eagle@production": "no registered model 'no-such-target-eagle'",
+    }
+    for uri, expected in cases.items():
+        with pytest.raises(RegistryError) as err:
+            registry.resolve_head(uri)
+        assert expected in one_line(err.value)
+    with pytest.raises(RegistryError, match="has no version 9999"):
+        registry.promote("smollm2-135m", 9999)
+
+
+def test_failed_registration_leaves_nothing_behind(mlflow_env, tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    registry.register_target("tiny-x", "r1", {})
+    run_id = train_run(fake_head(tmp_path / "head"))
+    # the head's files must be logged before it is registered
+    with pytest.raises(RegistryError, match="missing config.json, model.safetensors"):
+        registry.register_head(run_id, "not-there", "tiny-x", "r1")
+    # the target must be registered at that revision
+    with pytest.raises(RegistryError, match="not registered"):
+        registry.register_head(run_id, "head", "tiny-x", "r2")
+
+    def broken(self, *args, **kwargs):
+        raise MlflowException("registry store is read-only")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "create_model_version", broken)
+        with pytest.raises(RegistryError, match="read-only"):
+            registry.register_head(run_id, "head", "tiny-x", "r1")
+    mlflow_client = MlflowClient(tracking_uri=mlflow_env, registry_uri=mlflow_env)
+    with pytest.raises(MlflowException):  # the empty model created on the way was deleted again
+        mlflow_client.get_registered_model("tiny-x-eagle")
+
+    # an alias that cannot be set removes the version it would have named; the model itself stays
+    first = registry.register_head(run_id, "head", "tiny-x", "r1")
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "set_registered_model_alias", broken)
+        with pytest.raises(RegistryError, match="read-only"):
+            registry.register_head(run_id, "head", "tiny-x", "r1")
+    versions = mlflow_client.search_model_versions("name = 'tiny-x-eagle'")
+    assert [v.version for v in versions] == [first]
+
+
+# --------------------------------------------------------------------------------- eaglectl --head
+
+
+def test_eaglectl_unknown_alias_or_scheme_exits_2_in_one_line(mlflow_env, capsys):
+    from eagle.cli import main
+
+    for head, expected in (
+        ("models:/smollm2-135m-eagle@no-such-alias", "has no alias 'no-such-alias'"),
+        ("s3://bucket/head", "no head resolver for s3: URIs"),
+    ):
+        code = main(["generate", "--target", "smollm2-135m", "--head", head, "--prompt", "hi", "--max-new-tokens", "4"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2
+        assert err[-1].startswith("eaglectl generate: error:") and expected in err[-1], err
+        assert not any("Traceback" in line for line in err)
+
+
+@pytest.mark.slow
+def test_eaglectl_generates_with_a_registered_head(mlflow_env, smollm2, tmp_path, capsys):
+    from eagle.cli import main
+    from eagle.head import EagleHead
+
+    EagleHead.for_target(smollm2, seed=0).save_pretrained(tmp_path / "head")
+    registry.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
+    run_id = registry.start_run("eagle-test-training", "real-head")
+    registry.log_artifact(run_id, tmp_path / "head", "head")
+    registry.finish_run(run_id)
+    version = registry.register_head(run_id, "head", "smollm2-135m", "q4_1-v1")
+    registry.promote("smollm2-135m", version)
+    capsys.readouterr()
+
+    code = main([
+        "generate", "--target", "smollm2-135m", "--head", "models:/smollm2-135m-eagle@production",
+        "--prompt", "hi", "--max-new-tokens", "4", "--json",
+    ])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    record = json.loads(out.strip().splitlines()[-1])
+    assert 1 <= record["completion_tokens"] <= 4 and record["tau"] >= 1.0
