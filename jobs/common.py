@@ -14,6 +14,7 @@ import sys
 from typing import Callable, Sequence
 
 from eagle.errors import EagleError
+from eagle_platform.registry import RegistryError
 
 logger = logging.getLogger("jobs")
 
@@ -58,29 +59,84 @@ def setup_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def torch_extensions_dir() -> str:
+    """One persistent folder for DeepSpeed's JIT-built CPU ops (its shared-memory allreduce takes ~2 minutes
+    to compile once; every later job and test reuses it)."""
+    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, "torch_extensions")
+
+
 def init_ray(num_cpus: int | None = None) -> None:
     """Connect to the cluster this job was submitted to (``RAY_ADDRESS`` is set by ``ray job submit``), or
-    start a local one when run directly."""
+    start a private local instance when run directly (set ``RAY_ADDRESS`` to use an existing cluster).
+
+    A bare ``ray.init()`` attaches to whatever ``ray start`` cluster runs on this host (Ray autodetects the
+    latest one), and so do Ray Train's internal actors when they query the state API: on a host shared with
+    another cluster, Ray Train's ``PlacementGroupCleaner`` asked *that* cluster about our controller, found
+    nothing and removed our workers' placement group mid-run. So a local instance gets a chosen GCS port that
+    is exported to all its processes as ``RAY_ADDRESS``, and a dashboard (which serves the state API) on a
+    free port.
+    """
     import ray
 
     if ray.is_initialized():
         return
-    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=env, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    if os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's runtime env applies; workers call worker_env()
+        ray.init(log_to_driver=True)
+        return
+    from ray._private.services import get_node_ip_address
+
+    port = _free_port()
+    address = f"{get_node_ip_address()}:{port}"
+    env = {
+        "env_vars": {
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "TORCH_EXTENSIONS_DIR": torch_extensions_dir(),
+            "RAY_ADDRESS": address,
+        }
+    }
+    saved = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        ray.init(
+            address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+            runtime_env=env, log_to_driver=True,
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT", None)
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = saved
+    actual = ray.get_runtime_context().gcs_address
+    if actual != address:  # pragma: no cover - the port was taken in between
+        logger.warning("local Ray started at %s, not %s: its internal actors may address another cluster", actual, address)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env() -> None:
+    """Environment every Ray worker of these jobs needs, set from inside the worker (a submitted job's
+    workers do not inherit the driver's environment)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())
 
 
 def run_job(name: str, main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
-    """Parse, set up logging and run ``main``; an ``EagleError`` becomes one line and exit code 2."""
+    """Parse, set up logging and run ``main``; an ``EagleError`` or ``RegistryError`` (bad input, an unreachable
+    tracking server) becomes one line and exit code 2."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parser.parse_args(argv)
     setup_logging(getattr(args, "verbose", False))
     try:
         return main(args)
-    except EagleError as err:
+    except (EagleError, RegistryError) as err:
         sys.stderr.write(f"{name}: error: {err}\n")
         return 2
     except KeyboardInterrupt:
