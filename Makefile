@@ -24,12 +24,15 @@ $(VENV)/.installed: pyproject.toml constraints.txt Makefile
 
 install: $(VENV)/.installed
 
-# A real EAGLE generation on the embedded default target, then a short side-by-side bench.
+# The main job end to end on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~15 minutes on 2 CPU
+# cores): start the local stack (Ray head + MLflow on 127.0.0.1), run data -> features -> training ->
+# evaluation through `ray job submit`, then generate with the registered head. `make stack-down` stops the stack.
 quickstart: install
-	$(VENV)/bin/eaglectl generate --target smollm2-135m --head random \
-		--chat "Write a haiku about speculative decoding." --max-new-tokens 48 --dtype bfloat16
-	$(VENV)/bin/eaglectl bench --target smollm2-135m --head random --limit 3 --max-new-tokens 48 \
-		--temperature 0 --dtype float32 --out results/quickstart/bench.json
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh up
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/pipeline.sh --preset quick
+	eval "$$(infra/local/stack.sh env)" && $(VENV)/bin/eaglectl generate --target smollm2-135m \
+		--head models:/smollm2-135m-eagle@candidate --chat "Write a haiku about speculative decoding." \
+		--max-new-tokens 64 --dtype bfloat16
 
 # The whole suite, slow end-to-end tests included (what CI runs).
 test: install

@@ -89,7 +89,7 @@ def write_data(storage_uri: str, target_dir: Path, *, shards: dict[str, list[int
 
 
 def tiny_preset(**features):
-    settings = {"workers": 2, "dtype": "float32", "batch_tokens": 96, "aux_layers": True, **features}
+    settings = {"workers": 2, "zero_stage": 3, "dtype": "float32", "batch_tokens": 96, "aux_layers": True, **features}
     preset = get_preset("quick").with_overrides(features=settings)
     import dataclasses
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunStatus
+from mlflow.entities import Metric, Param
 from mlflow.exceptions import MlflowException
 
 logger = logging.getLogger(__name__)
@@ -210,13 +210,15 @@ def start_run(
     tags: Mapping[str, str] | None = None,
     *,
     resume: bool = False,
+    resume_statuses: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED"),
     uri: str | None = None,
 ) -> str:
-    """A new run in ``experiment`` (created if missing); with ``resume``, the newest unfinished (RUNNING,
-    FAILED or KILLED) run with the same name and tags is reopened instead. Returns the run id."""
+    """A new run in ``experiment`` (created if missing); with ``resume``, the newest run with the same name
+    and tags whose status is one of ``resume_statuses`` (by default the unfinished ones) is reopened
+    instead. Returns the run id."""
     uri = uri or tracking_uri()
     if resume:
-        run_id = find_run(experiment, run_name, tags=tags, statuses=("RUNNING", "FAILED", "KILLED"), uri=uri)
+        run_id = find_run(experiment, run_name, tags=tags, statuses=resume_statuses, uri=uri)
         if run_id is not None:
             with _mlflow_errors(uri, f"reopening run {run_id}"):
                 client(uri).update_run(run_id, status="RUNNING")

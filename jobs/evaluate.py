@@ -1,0 +1,184 @@
+"""Evaluate a head as a Ray job: the side-by-side bench on held-out prompts, logged to the head's training run.
+
+    ray job submit --working-dir . -- python -m jobs.evaluate --target smollm2-135m --preset quick \\
+        --head models:/smollm2-135m-eagle@candidate --promote-tau 1.4
+
+The prompts are MT-bench's first turns (never in the ShareGPT training data). The bench (``eagle.bench``:
+plain decoding, EAGLE and, optionally, Hugging Face ``generate`` / prompt lookup, in one process) runs on one
+Ray worker that holds the node's CPUs (or a GPU). Its tau, speedup, tokens/s and exactness flags are logged
+as ``eval/*`` metrics to the run that trained the head, with the bench JSON, table and plot as artifacts.
+With ``--promote-tau X`` the registry alias ``production`` moves to this head version when tau >= X.
+
+A head built for another target revision fails in one line (exit 2) before anything is logged or promoted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+from eagle.errors import EagleError
+from jobs.common import init_ray, job_parser, run_job, worker_env
+from jobs.presets import get_preset
+
+logger = logging.getLogger("jobs.evaluate")
+
+
+def _bench(settings: dict[str, Any]) -> dict[str, Any]:
+    """Runs on the Ray worker: load the pair, bench it, return the report."""
+    import torch
+
+    from eagle.bench import load_prompts, run_bench
+    from eagle.head import EagleHead
+    from eagle.target import load_target
+    from eagle.tree import DynamicTree, StaticTree
+    from eagle.verify import SamplingConfig
+    from jobs.common import setup_logging
+
+    worker_env()
+    setup_logging()
+    if settings.get("threads"):
+        torch.set_num_threads(settings["threads"])
+    target = load_target(settings["target"], dtype=settings["dtype"])
+    head = EagleHead.from_pretrained(settings["head_dir"], target)
+    tree = StaticTree() if settings["tree"] == "static" else DynamicTree()
+    prompts = load_prompts(limit=settings["prompts"])
+    return run_bench(
+        target, head, prompts, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(temperature=settings["temperature"]),
+        tree=tree, baselines=settings["baselines"], seed=0, progress=True, head_label=settings["head_label"],
+    )
+
+
+def _check_revision(target_spec: str, head: str, head_revision: str | None) -> None:
+    from eagle.target import resolve_target
+
+    _, name, revision = resolve_target(target_spec)
+    if head_revision is not None and head_revision != revision:
+        raise EagleError(f"head {head} was trained for {name} revision {head_revision}, not revision {revision}")
+
+
+def _check_pair(target_spec: str, head_dir: str) -> None:
+    """Head config vs target name and revision, before any worker starts and without loading weights (the
+    worker's ``EagleHead.from_pretrained`` then checks shapes and vocabulary too)."""
+    from eagle.head import HeadConfig
+    from eagle.target import resolve_target
+
+    config_path = Path(head_dir) / "config.json"
+    if not config_path.is_file():
+        raise EagleError(f"{head_dir} is not a head directory (no config.json)")
+    config = HeadConfig(**json.loads(config_path.read_text()))
+    _, name, revision = resolve_target(target_spec)
+    if config.target_name != name or config.target_revision != revision:
+        raise EagleError(
+            f"head {head_dir} was trained for {config.target_name} revision {config.target_revision}, "
+            f"not {name} revision {revision}"
+        )
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    from eagle.cli import resolve_head_spec
+    from eagle_platform import registry
+
+    preset = get_preset(args.preset)
+    target_spec = args.target or preset.target
+    head_spec = args.head or registry.head_uri(_target_name(target_spec), "candidate")
+    version_info = None
+    if head_spec.startswith("models:/"):
+        name, alias, version = registry.parse_models_uri(head_spec)
+        version_info = registry.head_version_info(name, alias, version=version)
+        _check_revision(target_spec, head_spec, version_info["tags"].get("target_revision"))
+    elif args.promote_tau is not None:
+        raise EagleError("--promote-tau needs a registered head (--head models:/<target>-eagle@<alias>)")
+    head_dir = resolve_head_spec(head_spec)
+    _check_pair(target_spec, head_dir)
+    run_id = args.run_id or (version_info or {}).get("run_id")
+
+    settings = {
+        "target": target_spec, "head_dir": head_dir, "head_label": head_spec,
+        "dtype": args.dtype or preset.eval.dtype, "tree": args.tree,
+        "prompts": args.prompts or preset.eval.prompts, "max_new_tokens": args.max_new_tokens or preset.eval.max_new_tokens,
+        "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
+        "baselines": [b for b in (args.baselines or "").split(",") if b],
+    }
+    init_ray()
+    cpus = max(1, int(ray.available_resources().get("CPU", 1)))
+    settings["threads"] = cpus
+    task = ray.remote(num_cpus=cpus, num_gpus=1 if args.gpu else 0)(_bench)
+    report = ray.get(task.remote(settings))
+
+    aggregate = report["aggregate"]
+    metrics = {
+        "eval/tau": aggregate["tau_mean"],
+        "eval/tau_pooled": aggregate["tau_pooled"],
+        "eval/speedup_vs_plain": aggregate["speedup"]["eagle_vs_plain"],
+        "eval/eagle_tokens_per_s": aggregate["methods"]["eagle"]["tokens_per_second"],
+        "eval/plain_tokens_per_s": aggregate["methods"]["plain"]["tokens_per_second"],
+        "eval/outputs_match_plain": float(bool(aggregate["all_outputs_match_plain"])),
+        "eval/prompts": aggregate["prompts"],
+    }
+    promoted = False
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="eagle-eval-")) / "bench.json"
+    from eagle.bench import write_report
+
+    paths = write_report(report, out)
+    if run_id:
+        registry.log_metrics(run_id, {k: v for k, v in metrics.items() if v is not None})
+        for path in paths.values():
+            registry.log_artifact(run_id, str(path), f"eval/{settings['dtype']}-{settings['tree']}-T{settings['temperature']:g}")
+    if args.promote_tau is not None and version_info is not None:
+        tau = aggregate["tau_mean"] or 0.0
+        if tau >= args.promote_tau:
+            registry.promote(_target_name(target_spec), version_info["version"], "production")
+            promoted = True
+        logger.info("tau %.3f %s the promotion threshold %.2f", tau, ">=" if promoted else "<", args.promote_tau)
+    summary = {"head": head_spec, "version": (version_info or {}).get("version"), "run_id": run_id, "promoted": promoted, "report": str(out), **metrics}
+    return summary
+
+
+def _target_name(spec: str) -> str:
+    from eagle.target import resolve_target
+
+    return resolve_target(spec)[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = job_parser("jobs.evaluate", "Bench a head on held-out MT-bench prompts and log tau/speedup to its MLflow run.")
+    parser.add_argument("--head", default=None, help="head directory or models:/<target>-eagle@<alias> (default @candidate)")
+    parser.add_argument("--run-id", default=None, help="MLflow run to log to (default: the run that trained the head)")
+    parser.add_argument("--prompts", type=int, default=None, help="MT-bench questions (default: the preset's)")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    parser.add_argument("--tree", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
+    parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--out", default=None, help="where to write bench.json (+ .md, .png)")
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    for flag in ("prompts", "max_new_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise EagleError(f"--{flag.replace('_', '-')} must be > 0")
+    if args.temperature is not None and args.temperature < 0:
+        raise EagleError("--temperature must be >= 0")
+    summary = evaluate(args)
+    sys.stdout.write(json.dumps(summary) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job("jobs.evaluate", _main, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,428 @@
+"""Train an EAGLE head as a Ray job: Ray Train ``TorchTrainer`` workers, DeepSpeed, MLflow.
+
+    ray job submit --working-dir . -- python -m jobs.train_head --target smollm2-135m --preset quick
+
+What one run does:
+1. The driver validates everything cheap first (target, feature manifest of the same target revision,
+   tracking server) so bad input fails in one line before any worker starts; then it opens (or, for a
+   rerun of the same ``--run-name``, reopens) one MLflow run and logs the preset, the DeepSpeed config and
+   the data/feature manifests to it.
+2. ``TorchTrainer`` starts ``workers`` ranks (gloo on CPU, nccl on GPU). Each rank wraps the head in a
+   DeepSpeed engine (ZeRO stage from the preset; torch AdamW(0.9, 0.95) as the client optimizer, the
+   warmup schedule of ``eagle.train``, gradient clipping 0.5) and trains on its share of the feature
+   shards (offline) or on features computed in the loop by the frozen target (``online``). The loss is
+   EAGLE's: SmoothL1 on features + 0.1 x CE on tokens with U(-0.1, 0.1) input noise (``eagle.loss``).
+3. Every ``checkpoint_every`` steps all ranks write a DeepSpeed checkpoint and rank 0 the head directory,
+   and report them with ``ray.train.report``: Ray merges the ranks' files into one checkpoint. A worker
+   that dies is restarted by ``FailureConfig`` and resumes from the last checkpoint; rerunning with the
+   same run name resumes too (Ray Train restores its checkpoint list from the run's storage folder).
+4. Rank 0 logs loss parts, per-depth top-1 accuracy and a simulated acceptance length on held-out records
+   to MLflow as it goes. When the run succeeds, the driver logs the head (safetensors + config.json) to
+   the run and registers it as a version of ``<target>-eagle`` with alias ``candidate``, linked to the
+   target's own registered version. A failed run is marked FAILED and registers nothing.
+
+DeepSpeed checkpoints are DeepSpeed's own files, read back only from this run's storage folder; the head a
+user receives is ``model.safetensors`` + ``config.json`` (never a pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from eagle.errors import EagleError
+from jobs import layout
+from jobs.common import init_ray, job_parser, run_job
+from jobs.presets import Preset, TrainConfig, get_preset
+
+logger = logging.getLogger("jobs.train_head")
+
+HEAD_DIR = "head"
+STATE_FILE = "train_state.json"
+DS_TAG = "deepspeed"
+EXPERIMENT = "eagle-heads"
+
+
+def default_results_dir() -> str:
+    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
+    return os.path.join(root, "ray_results")
+
+
+def deepspeed_config(train: TrainConfig) -> dict[str, Any]:
+    """The DeepSpeed config of the head's engine (logged to MLflow as ``deepspeed_config.json``).
+
+    The micro batch is a token budget, not a sequence count, so the nominal ``train_micro_batch_size`` is 1;
+    precision is torch autocast over fp32 master weights (DeepSpeed's bf16 optimizer path needs CUDA)."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": train.grad_accum,
+        "gradient_clipping": train.clip,
+        "zero_optimization": {"stage": train.zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if train.use_gpu and train.autocast_bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+# ---- the worker loop --------------------------------------------------------------------------------------
+
+
+def _draft_vocab(storage, target, size: int | None):
+    import torch
+
+    from eagle.head import draft_vocab_from_counts
+
+    if size is None or size >= target.vocab_size:
+        return None
+    counts_path = f"{layout.DATA}/{layout.TOKEN_COUNTS}"
+    if not storage.exists(counts_path):
+        raise EagleError(f"{storage.url(counts_path)} is missing: rerun jobs.prepare_data (needed for the draft vocabulary)")
+    counts = storage.read_tensors(counts_path)["counts"].to(torch.float64)
+    return draft_vocab_from_counts(counts, size, always=target.eos_token_ids)
+
+
+def _load_records(storage, split: str, stage: str, rank: int, world: int) -> list[dict]:
+    """This rank's records of ``split`` (shards round-robin across ranks)."""
+    from jobs.storage import unpack_records
+
+    names = [n for n in storage.list(stage, split) if n.endswith(".safetensors")]
+    mine = names[rank::world] if world > 1 and len(names) >= world else names
+    records: list[dict] = []
+    for name in mine:
+        records.extend(unpack_records(storage.read_tensors(f"{stage}/{split}/{name}")))
+    return records
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    """One Ray Train worker (runs on every rank)."""
+    import deepspeed
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from eagle.head import EagleHead
+    from eagle.loss import LossConfig, rollout_metrics
+    from eagle.target import load_target
+    from eagle.train import build_optimizer, collate, compute_loss, token_budget_batches, warmup_linear
+    from jobs.common import setup_logging, worker_env
+    from jobs.storage import Storage
+
+    worker_env()
+    setup_logging()
+    train = TrainConfig(**{**config["train"], "betas": tuple(config["train"]["betas"])})
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    threads = config.get("threads_per_worker")
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device("cuda", context.get_local_rank()) if train.use_gpu else torch.device("cpu")
+    storage = Storage(config["dataset_uri"])
+
+    target = load_target(config["target_spec"], dtype="bfloat16" if train.autocast_bf16 else "float32", device=str(device))
+    target.model.requires_grad_(False)
+    draft_ids = _draft_vocab(storage, target, train.draft_vocab_size)
+    head = EagleHead.for_target(target, seed=train.seed, draft_token_ids=draft_ids).to(torch.float32)
+
+    stage = layout.DATA if train.online else layout.FEATURES
+    records = _load_records(storage, "train", stage, rank, world)
+    eval_records = _load_records(storage, "eval", stage, 0, 1)[: config.get("eval_records", 16)] if rank == 0 else []
+    lengths = [int(r["input_ids"].shape[0]) for r in records]
+
+    # every rank must take the same number of optimizer steps: plan with the smallest per-rank epoch
+    per_epoch = torch.tensor([len(token_budget_batches(lengths, train.batch_tokens, seed=train.seed + rank, epoch=0))])
+    dist.all_reduce(per_epoch, op=dist.ReduceOp.MIN)
+    micro_per_epoch = int(per_epoch)
+    steps_per_epoch = max(1, micro_per_epoch // train.grad_accum)
+    total_steps = max(1, math.ceil(train.epochs * steps_per_epoch))
+    if train.max_steps is not None:
+        total_steps = min(total_steps, train.max_steps)
+
+    optimizer = build_optimizer(head, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_linear(s, warmup=train.warmup_steps, total=total_steps))
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=head, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"], dist_init_required=False
+    )
+    loss_config = LossConfig(w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
+
+    step, elapsed, resumed_from = 0, 0.0, 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            engine.load_checkpoint(directory, tag=DS_TAG)
+            state = json.loads((Path(directory) / STATE_FILE).read_text())
+        step, elapsed, resumed_from = state["step"], state["elapsed_s"], state["step"]
+        logger.info("rank %d resumed from the checkpoint at step %d", rank, step)
+
+    tracker = _Tracker(config) if rank == 0 else None
+    if tracker and resumed_from:
+        tracker.log({"resumed_from_step": resumed_from}, step)
+    if rank == 0:
+        logger.info("training %d steps (%d per epoch) on %d workers, %d records on rank 0", total_steps, steps_per_epoch, world, len(records))
+
+    def features_of(batch):
+        if not train.online:
+            return batch
+        with torch.no_grad():
+            batch.features = target.backbone(input_ids=batch.input_ids.to(device)).last_hidden_state
+        return batch
+
+    def evaluate() -> dict[str, float]:
+        if not eval_records:
+            return {}
+        engine.module.eval()
+        eval_batch = features_of(collate(eval_records)).to(device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=train.autocast_bf16):
+            metrics = rollout_metrics(engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth)
+        engine.module.train()
+        return {f"eval_{k}": v for k, v in metrics.items() if k != "positions"}
+
+    def save(final: bool) -> None:
+        with tempfile.TemporaryDirectory() as directory:
+            engine.save_checkpoint(directory, tag=DS_TAG)
+            metrics = {"step": step, "final": final}
+            if rank == 0:
+                engine.module.save_pretrained(Path(directory) / HEAD_DIR)
+                (Path(directory) / STATE_FILE).write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
+                metrics.update(evaluate())
+                tracker.log({k: v for k, v in metrics.items() if isinstance(v, float)}, step)
+            ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
+
+    engine.module.train()
+    deadline = None if train.max_minutes is None else train.max_minutes * 60.0
+    window_tokens, window_start = 0, time.perf_counter()
+    epoch = step // steps_per_epoch
+    while step < total_steps:
+        plan = token_budget_batches(lengths, train.batch_tokens, seed=train.seed + rank, epoch=epoch)[: steps_per_epoch * train.grad_accum]
+        skip = (step - epoch * steps_per_epoch) * train.grad_accum  # resumed mid-epoch
+        for index, batch_ids in enumerate(plan[skip:], start=skip):
+            started = time.perf_counter()
+            batch = features_of(collate([records[i] for i in batch_ids])).to(device)
+            loss, metrics = compute_loss(engine.module, batch, loss_config, autocast_bf16=train.autocast_bf16)
+            engine.backward(loss)
+            engine.step()
+            window_tokens += int(batch.loss_mask.sum())
+            if (index + 1) % train.grad_accum:
+                continue
+            step += 1
+            elapsed += time.perf_counter() - started
+            stop = torch.tensor([1 if deadline is not None and elapsed >= deadline else 0])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
+            last = bool(int(stop)) or step >= total_steps
+            if tracker and (step % train.log_every == 0 or step == 1 or last):
+                now = time.perf_counter()
+                metrics.update(lr=scheduler.get_last_lr()[0], epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start))
+                window_tokens, window_start = 0, now
+                tracker.log(metrics, step)
+                logger.info("step %d/%d loss %.4f acc_1 %.3f lr %.2e", step, total_steps, metrics["loss"], metrics["acc_1"], metrics["lr"])
+            if last:
+                total_steps = step
+                break
+            if step % train.checkpoint_every == 0:
+                save(final=False)
+        epoch += 1
+    save(final=True)
+
+
+class _Tracker:
+    """Rank 0's MLflow logging (explicit run id; never the fluent API's global state)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.run_id = config.get("run_id")
+        self.uri = config.get("tracking_uri")
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if not self.run_id:
+            return
+        from eagle_platform import registry
+
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        registry.log_metrics(self.run_id, clean, step=step, uri=self.uri)
+
+
+# ---- the driver -------------------------------------------------------------------------------------------
+
+
+def _validate(preset: Preset, storage_uri: str, target_spec: str) -> tuple[Any, str, str, dict]:
+    """Cheap checks before any worker starts; returns (dataset storage, target name, revision, manifests)."""
+    from eagle.target import resolve_target
+
+    _, name, revision = resolve_target(target_spec)
+    storage = layout.dataset_storage(storage_uri, name, preset.dataset)
+    stage = layout.DATA if preset.train.online else layout.FEATURES
+    manifest_path = f"{stage}/{layout.MANIFEST}"
+    if not storage.exists(manifest_path):
+        job = "jobs.prepare_data" if preset.train.online else "jobs.featurize"
+        raise EagleError(f"no {stage} for {name} at {storage.url(stage)}: run {job} --preset {preset.name} first")
+    manifest = storage.read_json(manifest_path)
+    if manifest.get("target_revision") != revision:
+        raise EagleError(
+            f"{storage.url(manifest_path)} was made from {name} revision {manifest.get('target_revision')}, "
+            f"but the target is now {revision}: regenerate the {stage}"
+        )
+    manifests = {stage: manifest}
+    if stage == layout.FEATURES and storage.exists(f"{layout.DATA}/{layout.MANIFEST}"):
+        manifests[layout.DATA] = storage.read_json(f"{layout.DATA}/{layout.MANIFEST}")
+    return storage, name, revision, manifests
+
+
+def train(
+    preset: Preset,
+    *,
+    storage_uri: str,
+    target_spec: str | None = None,
+    run_name: str | None = None,
+    results_dir: str | None = None,
+    register: bool = True,
+    alias: str = "candidate",
+    max_failures: int = 3,
+    tracking_uri: str | None = None,
+) -> dict[str, Any]:
+    """Run one training job; returns ``{"run_id", "head_dir", "version", "metrics"}``."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from eagle_platform import registry
+
+    target_spec = target_spec or preset.target
+    storage, name, revision, manifests = _validate(preset, storage_uri, target_spec)
+    run_name = run_name or f"{name}-{preset.dataset}-{preset.name}"
+    tracking_uri = tracking_uri or registry.tracking_uri()
+    registry.client(tracking_uri)  # fails in one line when no server answers
+    ds_config = deepspeed_config(preset.train)
+    run_id = registry.start_run(
+        EXPERIMENT, run_name, tags={"target": name, "target_revision": revision, "preset": preset.name, "job": "train_head"},
+        resume=True,  # the same run name continues the same MLflow run, finished or not (as Ray Train resumes)
+        resume_statuses=("RUNNING", "FAILED", "KILLED", "FINISHED"),
+        uri=tracking_uri,
+    )
+    try:
+        params = _flatten({"preset": preset.name, "target": target_spec, "dataset": preset.dataset, "train": asdict(preset.train)})
+        if registry.run_info(run_id, uri=tracking_uri)["params"]:  # a resumed run keeps its first params
+            registry.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]}, uri=tracking_uri)
+        else:
+            registry.log_params(run_id, params, uri=tracking_uri)
+        registry.log_dict(run_id, ds_config, "deepspeed_config.json", uri=tracking_uri)
+        for stage, manifest in manifests.items():
+            registry.log_dict(run_id, manifest, f"manifests/{stage}.json", uri=tracking_uri)
+
+        init_ray()
+        cpus = int(ray.available_resources().get("CPU", 1)) if not preset.train.use_gpu else None
+        workers = preset.train.workers
+        config = {
+            "train": asdict(preset.train),
+            "target_spec": target_spec,
+            "dataset_uri": storage.url(),
+            "deepspeed": ds_config,
+            "run_id": run_id,
+            "tracking_uri": tracking_uri,
+            "threads_per_worker": max(1, cpus // workers) if cpus else None,
+        }
+        trainer = TorchTrainer(
+            _train_loop,
+            train_loop_config=config,
+            scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=preset.train.use_gpu),
+            torch_config=TorchConfig(backend="nccl" if preset.train.use_gpu else "gloo"),
+            run_config=ray.train.RunConfig(
+                name=run_name,
+                storage_path=results_dir or default_results_dir(),
+                failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            ),
+        )
+        result = trainer.fit()
+        if result.error is not None:
+            raise result.error
+        with result.checkpoint.as_directory() as directory:
+            head_dir = Path(directory) / HEAD_DIR
+            if not (head_dir / "model.safetensors").is_file():
+                raise RuntimeError("the final checkpoint holds no head directory")
+            local_head = Path(tempfile.mkdtemp(prefix="eagle-head-")) / HEAD_DIR
+            local_head.parent.mkdir(parents=True, exist_ok=True)
+            import shutil
+
+            shutil.copytree(head_dir, local_head)
+        registry.log_artifact(run_id, str(local_head), HEAD_DIR, uri=tracking_uri)
+        version = None
+        if register:
+            target_version = registry.register_target(name, revision, {"name": name, "spec": target_spec, "revision": revision}, run_id, uri=tracking_uri)
+            version = registry.register_head(run_id, HEAD_DIR, name, revision, alias=alias, target_model_version=target_version, uri=tracking_uri)
+        registry.finish_run(run_id, "FINISHED", uri=tracking_uri)
+    except BaseException:
+        registry.finish_run(run_id, "FAILED", uri=tracking_uri)
+        raise
+    logger.info("run %s finished: head %s registered as %s-eagle version %s", run_name, local_head, name, version)
+    return {"run_id": run_id, "run_name": run_name, "head_dir": str(local_head), "version": version, "metrics": dict(result.metrics or {})}
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    flat: dict[str, str] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = job_parser("jobs.train_head", "Train an EAGLE head with Ray Train + DeepSpeed and register it in MLflow.")
+    parser.add_argument("--run-name", default=None, help="the same name resumes the run from its last checkpoint")
+    parser.add_argument("--results-dir", default=None, help=f"Ray Train storage path (default {default_results_dir()})")
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--epochs", type=float, default=None)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--max-minutes", type=float, default=None)
+    parser.add_argument("--batch-tokens", type=int, default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=None)
+    parser.add_argument("--rollout-depth", type=int, default=None)
+    parser.add_argument("--draft-vocab-size", type=int, default=None, help="0 = the full target vocabulary")
+    parser.add_argument("--online", action="store_true", default=None, help="compute features in the loop")
+    parser.add_argument("--max-failures", type=int, default=3)
+    parser.add_argument("--alias", default="candidate")
+    parser.add_argument("--no-register", action="store_true")
+    return parser
+
+
+def _main(args: argparse.Namespace) -> int:
+    overrides = {
+        key: getattr(args, key)
+        for key in ("workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online")
+        if getattr(args, key) is not None
+    }
+    if args.draft_vocab_size is not None:
+        overrides["draft_vocab_size"] = args.draft_vocab_size or None
+    for key in ("workers", "batch_tokens", "checkpoint_every", "rollout_depth", "max_steps"):
+        if key in overrides and overrides[key] <= 0:
+            raise EagleError(f"--{key.replace('_', '-')} must be > 0")
+    preset = get_preset(args.preset)
+    if args.dataset:
+        preset = dataclasses.replace(preset, dataset=args.dataset)
+    preset = preset.with_overrides(train=overrides)
+    result = train(
+        preset, storage_uri=args.storage, target_spec=args.target, run_name=args.run_name, results_dir=args.results_dir,
+        register=not args.no_register, alias=args.alias, max_failures=args.max_failures,
+    )
+    sys.stdout.write(json.dumps({k: v for k, v in result.items() if k != "metrics"}) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_job("jobs.train_head", _main, build_parser(), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""jobs.evaluate: bench a registered head on a Ray worker, log to its training run, promote by threshold."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from eagle.head import EagleHead
+from eagle_platform import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _register_random_head(smollm2, tmp_path: Path, uri: str, revision: str | None = None) -> tuple[str, str]:
+    head_dir = EagleHead.for_target(smollm2, seed=0).save_pretrained(tmp_path / "head")
+    if revision is not None:
+        config = json.loads((head_dir / "config.json").read_text())
+        (head_dir / "config.json").write_text(json.dumps({**config, "target_revision": revision}))
+    run_id = registry.start_run("eagle-heads", f"eval-test-{tmp_path.name}", tags={"target": smollm2.name}, uri=uri)
+    registry.log_artifact(run_id, head_dir, "head", uri=uri)
+    target_version = registry.register_target(smollm2.name, smollm2.revision, {"name": smollm2.name}, run_id, uri=uri)
+    version = registry.register_head(
+        run_id, "head", smollm2.name, revision or smollm2.revision, alias="candidate", target_model_version=target_version, uri=uri
+    )
+    registry.finish_run(run_id, "FINISHED", uri=uri)
+    return run_id, version
+
+
+def _evaluate(args: list[str], uri: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(MLFLOW_TRACKING_URI=uri, HF_HUB_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "jobs.evaluate", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_evaluate_logs_to_the_training_run_and_promotes(smollm2, mlflow_server, tmp_path):
+    run_id, version = _register_random_head(smollm2, tmp_path, mlflow_server)
+    out = tmp_path / "bench.json"
+    done = _evaluate(
+        ["--head", "models:/smollm2-135m-eagle@candidate", "--prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
+         "--promote-tau", "1.0", "--out", str(out)],
+        mlflow_server,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["run_id"] == run_id and summary["version"] == version and summary["promoted"] is True
+    client = MlflowClient(mlflow_server)
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["eval/tau"] >= 1.0 and metrics["eval/outputs_match_plain"] == 1.0  # fp32: exact
+    assert metrics["eval/prompts"] == 2
+    assert client.get_model_version_by_alias("smollm2-135m-eagle", "production").version == version
+    report = json.loads(out.read_text())
+    assert report["aggregate"]["prompts"] == 2
+    artifacts = [a.path for a in client.list_artifacts(run_id, "eval")]
+    assert artifacts, "the bench report was not logged to the run"
+
+
+def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothing(smollm2, mlflow_server, tmp_path):
+    client = MlflowClient(mlflow_server)
+    _register_random_head(smollm2, tmp_path, mlflow_server, revision="gguf-sha256:0123456789abcdef")
+    try:
+        before = client.get_model_version_by_alias("smollm2-135m-eagle", "production").version
+    except Exception:
+        before = None
+    done = _evaluate(["--head", "models:/smollm2-135m-eagle@candidate", "--promote-tau", "0.0"], mlflow_server, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "revision" in lines[0], done.stderr
+    try:
+        after = client.get_model_version_by_alias("smollm2-135m-eagle", "production").version
+    except Exception:
+        after = None
+    assert after == before

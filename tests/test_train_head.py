@@ -1,0 +1,185 @@
+"""jobs.train_head end to end: Ray Train + DeepSpeed on 2 CPU workers, MLflow, kill-and-resume.
+
+The job runs as its real entry point (``python -m jobs.train_head``) in a subprocess that starts its own local
+Ray; the test kills one of its Ray Train workers mid-run and checks that the run finishes from its last
+checkpoint, registers the head beside its target, and that rerunning the same run name resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from mlflow import MlflowClient
+
+from eagle.head import EagleHead
+from jobs import layout
+from tests.feature_data import write_feature_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+DATASET = "tiny-train"
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory, smollm2):
+    root = tmp_path_factory.mktemp("storage")
+    write_feature_dataset(str(root), smollm2, DATASET, conversations=24, max_length=96)
+    return str(root)
+
+
+def _env(mlflow_uri: str) -> dict[str, str]:
+    env = dict(os.environ, MLFLOW_TRACKING_URI=mlflow_uri, HF_HUB_OFFLINE="1", RAY_ADDRESS="")
+    env.pop("RAY_ADDRESS")
+    return env
+
+
+def _job(args: list[str], mlflow_uri: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobs.train_head", *args], cwd=ROOT, env=_env(mlflow_uri),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+def _run(args: list[str], mlflow_uri: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "jobs.train_head", *args], cwd=ROOT, env=_env(mlflow_uri), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def _result(stdout: str) -> dict:
+    """The job's result line (Ray forwards worker prints to the driver's stdout too, in any order)."""
+    lines = [line for line in stdout.splitlines() if line.startswith('{"run_id"')]
+    assert lines, f"no result line in the job's stdout: {stdout[-2000:]}"
+    return json.loads(lines[-1])
+
+
+def _train_workers(root_pid: int) -> list[psutil.Process]:
+    workers = []
+    for child in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if "RayTrainWorker" in " ".join(child.cmdline()) or "RayTrainWorker" in child.name():
+                workers.append(child)
+        except psutil.Error:
+            continue
+    return workers
+
+
+def _wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)  # polling for a condition with a deadline, not waiting out a race
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _history(client: MlflowClient, run_id: str, key: str) -> list:
+    return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
+
+
+@pytest.mark.slow
+def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlflow_server, tmp_path):
+    results = tmp_path / "ray_results"
+    args = [
+        "--preset", "quick", "--storage", storage, "--dataset", DATASET, "--run-name", "kill-test",
+        "--results-dir", str(results), "--checkpoint-every", "5", "--batch-tokens", "512", "--max-failures", "2",
+    ]
+    job = _job([*args, "--max-steps", "30"], mlflow_server)
+    try:
+        # two checkpoint folders: the first one's report has completed (report is a barrier), so it is registered
+        _wait_for(lambda: len(list((results / "kill-test").glob("checkpoint_*"))) >= 2 or job.poll() is not None, 600, "two checkpoints")
+        assert job.poll() is None, f"the job ended before the kill: {job.communicate()[1][-3000:]}"
+        workers = _wait_for(lambda: _train_workers(job.pid), 60, "the Ray Train workers")
+        victim = workers[-1]
+        os.kill(victim.pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=900)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err[-4000:]
+    result = _result(out)
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED"
+    resumed = _history(client, result["run_id"], "resumed_from_step")
+    assert resumed and resumed[0].value >= 5, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
+    assert _history(client, result["run_id"], "loss")[-1].step == 30
+    eval_tau = _history(client, result["run_id"], "eval_sim_tau")
+    assert eval_tau and 1.0 <= eval_tau[-1].value <= 6.0
+    assert {f"eval_acc_{d}" for d in range(1, 6)} <= set(run.data.metrics)
+
+    # registered beside its target, alias candidate, loadable as a head of that target
+    version = client.get_model_version_by_alias("smollm2-135m-eagle", "candidate")
+    assert version.version == result["version"] and version.run_id == result["run_id"]
+    assert version.tags["target_revision"] == run.data.tags["target_revision"]
+    target_version = client.get_model_version("smollm2-135m", version.tags["target_model_version"])
+    assert target_version.tags["target_revision"] == version.tags["target_revision"]
+    from eagle import load_target
+
+    head = EagleHead.from_pretrained(result["head_dir"], load_target("smollm2-135m", dtype="float32"))
+    assert head.config.draft_vocab_size == 16384
+
+    # the same run name resumes: from step 30 to 36, same MLflow run, a new head version
+    again = _run([*args, "--max-steps", "36"], mlflow_server, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    second = _result(again.stdout)
+    assert second["run_id"] == result["run_id"]
+    assert _history(client, result["run_id"], "resumed_from_step")[-1].value == 30
+    assert _history(client, result["run_id"], "loss")[-1].step == 36
+    assert int(second["version"]) == int(result["version"]) + 1
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_is_marked_failed_and_registers_nothing(storage, mlflow_server, tmp_path, smollm2):
+    broken = tmp_path / "broken"
+    write_feature_dataset(str(broken), smollm2, DATASET, conversations=8, max_length=32)
+    shard = layout.dataset_storage(str(broken), "smollm2-135m", DATASET).path(layout.FEATURES, "train", layout.shard_name(0))
+    Path(shard).write_bytes(b"not a safetensors file")
+    client = MlflowClient(mlflow_server)
+    before = {m.name: len(client.search_model_versions(f"name='{m.name}'")) for m in client.search_registered_models()}
+    done = _run(
+        ["--preset", "quick", "--storage", str(broken), "--dataset", DATASET, "--run-name", "broken-run",
+         "--results-dir", str(tmp_path / "results"), "--max-steps", "3", "--max-failures", "0"],
+        mlflow_server, timeout=600,
+    )
+    assert done.returncode == 1
+    runs = client.search_runs([client.get_experiment_by_name("eagle-heads").experiment_id], "attributes.run_name = 'broken-run'")
+    assert [r.info.status for r in runs] == ["FAILED"]
+    after = {m.name: len(client.search_model_versions(f"name='{m.name}'")) for m in client.search_registered_models()}
+    assert after == before
+
+
+def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp_path, smollm2):
+    base = ["--preset", "quick", "--storage", storage, "--results-dir", str(tmp_path / "r")]
+    cases = {
+        "unknown target": (["--target", "no-such-model", "--dataset", DATASET], "no-such-model"),
+        "missing features": (["--dataset", "never-made"], "jobs.featurize"),
+        "bad number": (["--dataset", DATASET, "--workers", "0"], "--workers"),
+    }
+    for name, (extra, expected) in cases.items():
+        done = _run([*base, *extra], mlflow_server)
+        assert done.returncode == 2, (name, done.stderr[-2000:])
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (name, done.stderr)
+
+    stale = tmp_path / "stale"
+    write_feature_dataset(str(stale), smollm2, DATASET, conversations=4, max_length=32)
+    store = layout.dataset_storage(str(stale), "smollm2-135m", DATASET)
+    manifest = store.read_json(f"{layout.FEATURES}/{layout.MANIFEST}")
+    store.write_json(f"{layout.FEATURES}/{layout.MANIFEST}", {**manifest, "target_revision": "gguf-sha256:0000000000000000"})
+    done = _run(["--preset", "quick", "--storage", str(stale), "--dataset", DATASET], mlflow_server)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "revision" in done.stderr
+
+    env = _env("http://127.0.0.1:9")  # nothing listens on the discard port
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.train_head", *base, "--dataset", DATASET], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "MLflow" in done.stderr
