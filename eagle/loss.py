@@ -148,17 +148,31 @@ def eagle_loss(
 
 
 @torch.no_grad()
-def rollout_metrics(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor, depth: int) -> dict[str, float]:
-    """Per-depth top-1 accuracy along the true path (``acc_k`` = P(depth k right | depths < k right)) and the
+def rollout_metrics(
+    head: EagleHead,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    depth: int,
+    *,
+    greedy: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Per-depth top-1 accuracy along the data path (``acc_k`` = P(depth k right | depths < k right)) and the
     simulated acceptance length of a depth-``depth`` chain, ``sim_tau`` = 1 + E[run of right drafts], the
-    tau a chain-shaped tree would get at T=0 on these tokens (a tree with more branches gets more)."""
+    tau a chain-shaped tree would get at T=0 (a tree with more branches gets more).
+
+    "Right" means equal to the data's next token, or, with ``greedy`` ``[B, n]`` (the target's own argmax
+    after each position: ``greedy[:, t]`` = argmax of its logits at f_t), equal to what the target would
+    pick there, which is what greedy verification accepts. Use ``greedy`` when the data is not the target's
+    own greedy output (e.g. ShareGPT's answers)."""
     predictions = rollout(head, features, tokens, depth)
     base = _valid(loss_mask, 0)
     alive = base.clone()
     run = torch.zeros_like(base, dtype=torch.long)
     metrics: dict[str, float] = {}
     for k, predicted in enumerate(predictions):
-        truth = target_token_ids(head, _shift(tokens, k + 2))
+        wanted = _shift(tokens, k + 2) if greedy is None else _shift(greedy, k + 1)  # x_{j+k+2} or argmax p(.|f_{j+k+1})
+        truth = target_token_ids(head, wanted)
         right = (head.draft_logits(predicted).argmax(-1) == truth) & _valid(loss_mask, k)
         asked = alive.sum()
         metrics[f"acc_{k + 1}"] = float((right & alive).sum() / asked) if asked > 0 else 0.0

@@ -74,14 +74,17 @@ def token_budget_batches(lengths: Sequence[int], batch_tokens: int, *, seed: int
     return batches
 
 
-def warmup_linear(step: int, *, warmup: int, total: int) -> float:
-    """LR multiplier: linear warmup to 1, then linear decay to 0.1 of the peak at ``total``."""
+def lr_factor(step: int, *, warmup: int, progress: float) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps to 1, then linear decay to 0.1 as ``progress``
+    (the fraction of the post-warmup budget used, by steps or by wall clock) goes from 0 to 1."""
     if step < warmup:
         return (step + 1) / max(warmup, 1)
-    if total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    return 1.0 - 0.9 * progress
+    return 1.0 - 0.9 * min(1.0, max(0.0, progress))
+
+
+def warmup_linear(step: int, *, warmup: int, total: int) -> float:
+    """:func:`lr_factor` with progress counted in steps out of ``total``."""
+    return lr_factor(step, warmup=warmup, progress=(step - warmup) / (total - warmup) if total > warmup else 0.0)
 
 
 def build_optimizer(head: EagleHead, *, lr: float, betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.0) -> torch.optim.Optimizer:

@@ -142,7 +142,7 @@ def quick() -> Preset:
         features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=4096, dtype="bfloat16"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=20, epochs=20.0,
-            max_minutes=6.5, checkpoint_every=50, log_every=5,
+            max_minutes=6.5, checkpoint_every=20, log_every=5,
         ),
         eval=EvalConfig(prompts=10, max_new_tokens=96, dtype="bfloat16", promote_tau=1.4),
     )

@@ -116,7 +116,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     from eagle.head import EagleHead
     from eagle.loss import LossConfig, rollout_metrics
     from eagle.target import load_target
-    from eagle.train import build_optimizer, collate, compute_loss, token_budget_batches, warmup_linear
+    from eagle.train import build_optimizer, collate, compute_loss, lr_factor, token_budget_batches
     from jobs.common import setup_logging, worker_env
     from jobs.storage import Storage
 
@@ -151,10 +151,21 @@ def _train_loop(config: dict[str, Any]) -> None:
         total_steps = min(total_steps, train.max_steps)
 
     optimizer = build_optimizer(head, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_linear(s, warmup=train.warmup_steps, total=total_steps))
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=head, optimizer=optimizer, lr_scheduler=scheduler, config=config["deepspeed"], dist_init_required=False
-    )
+    engine, optimizer, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=config["deepspeed"], dist_init_required=False)
+
+    def set_lr() -> float:
+        """Warmup, then linear decay over the run's progress, the larger of steps/total and elapsed/deadline,
+        so a run cut by ``max_minutes`` still ends at the low rate. Stateless: a resumed run recomputes it from
+        the checkpoint's step and elapsed time."""
+        progress = (step - train.warmup_steps) / max(total_steps - train.warmup_steps, 1)
+        if deadline:
+            progress = max(progress, elapsed / deadline)
+        lr = train.lr * lr_factor(step, warmup=train.warmup_steps, progress=progress)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    deadline = None if train.max_minutes is None else train.max_minutes * 60.0
     loss_config = LossConfig(w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
 
     step, elapsed, resumed_from = 0, 0.0, 0
@@ -184,8 +195,12 @@ def _train_loop(config: dict[str, Any]) -> None:
             return {}
         engine.module.eval()
         eval_batch = features_of(collate(eval_records)).to(device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
+        with torch.no_grad():  # what greedy verification would accept: the target's own argmax, row by row
+            greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=train.autocast_bf16):
-            metrics = rollout_metrics(engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth)
+            metrics = rollout_metrics(
+                engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth, greedy=greedy
+            )
         engine.module.train()
         return {f"eval_{k}": v for k, v in metrics.items() if k != "positions"}
 
@@ -201,7 +216,6 @@ def _train_loop(config: dict[str, Any]) -> None:
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
     engine.module.train()
-    deadline = None if train.max_minutes is None else train.max_minutes * 60.0
     window_tokens, window_start = 0, time.perf_counter()
     epoch = step // steps_per_epoch
     while step < total_steps:
@@ -210,6 +224,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         for index, batch_ids in enumerate(plan[skip:], start=skip):
             started = time.perf_counter()
             batch = features_of(collate([records[i] for i in batch_ids])).to(device)
+            lr = set_lr()
             loss, metrics = compute_loss(engine.module, batch, loss_config, autocast_bf16=train.autocast_bf16)
             engine.backward(loss)
             engine.step()
@@ -223,7 +238,7 @@ def _train_loop(config: dict[str, Any]) -> None:
             last = bool(int(stop)) or step >= total_steps
             if tracker and (step % train.log_every == 0 or step == 1 or last):
                 now = time.perf_counter()
-                metrics.update(lr=scheduler.get_last_lr()[0], epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start))
+                metrics.update(lr=lr, epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start))
                 window_tokens, window_start = 0, now
                 tracker.log(metrics, step)
                 logger.info("step %d/%d loss %.4f acc_1 %.3f lr %.2e", step, total_steps, metrics["loss"], metrics["acc_1"], metrics["lr"])

@@ -135,3 +135,26 @@ def test_warmup_then_decay():
     assert values[99] == pytest.approx(0.1 + 0.9 * (1 / 90), rel=1e-6) or values[100] == pytest.approx(0.1)
     assert min(values[10:]) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(values[10:], values[11:]))
+
+
+def test_greedy_truth_scores_against_the_targets_own_choice(target):
+    """On the target's own greedy continuation, data tokens and the target's argmax coincide, so both
+    criteria agree; on sampled text they differ."""
+    head = EagleHead.for_target(target, seed=4)
+    greedy_text = continuations(target, sequences=3, length=16, temperature=0.0, seed=21)
+    features = _features(target, greedy_text)
+    argmax = target.lm_head(features).argmax(-1)  # [B, n]: the target's pick after each position
+    mask = torch.ones_like(greedy_text)
+    assert torch.equal(argmax[:, 3:-1], greedy_text[:, 4:])  # (after the random 4-token prompt)
+    by_data = rollout_metrics(head, features, greedy_text, mask, depth=3)
+    by_target = rollout_metrics(head, features, greedy_text, mask, depth=3, greedy=argmax)
+    assert by_target["positions"] == by_data["positions"]
+    # both criteria only differ at origins whose next token comes from the random prompt
+    assert abs(by_target["acc_1"] - by_data["acc_1"]) <= 3 / 13 + 1e-9
+    sampled = continuations(target, sequences=3, length=16, temperature=1.0, seed=22)
+    feats = _features(target, sampled)
+    choice = target.lm_head(feats).argmax(-1)
+    metrics = rollout_metrics(head, feats, sampled, mask, depth=1, greedy=choice)
+    predicted = rollout(head, feats, sampled, 1)[0][:, :-1]  # origins 0..n-3 draft x_2..x_{n-1}
+    expected = (head.draft_logits(predicted).argmax(-1) == choice[:, 1:-1]).double().mean()
+    assert metrics["acc_1"] == pytest.approx(float(expected))
