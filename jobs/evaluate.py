@@ -6,7 +6,8 @@
 The prompts are MT-bench's first turns (never in the ShareGPT training data). The bench (``eagle.bench``:
 plain decoding, EAGLE and, optionally, Hugging Face ``generate`` / prompt lookup, in one process) runs on one
 Ray worker that holds the node's CPUs (or a GPU). Its tau, speedup, tokens/s and exactness flags are logged
-as ``eval/*`` metrics to the run that trained the head, with the bench JSON, table and plot as artifacts.
+as ``eval/<dtype>-T<temperature>/*`` metrics to the run that trained the head, with the bench JSON,
+table and plot as artifacts.
 With ``--promote-tau X`` the registry alias ``production`` moves to this head version when tau >= X.
 
 A head built for another target revision fails in one line (exit 2) before anything is logged or promoted.
@@ -114,14 +115,15 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     report = ray.get(task.remote(settings))
 
     aggregate = report["aggregate"]
+    prefix = f"eval/{settings['dtype']}-T{settings['temperature']:g}"  # one namespace per setting: runs get several
     metrics = {
-        "eval/tau": aggregate["tau_mean"],
-        "eval/tau_pooled": aggregate["tau_pooled"],
-        "eval/speedup_vs_plain": aggregate["speedup"]["eagle_vs_plain"],
-        "eval/eagle_tokens_per_s": aggregate["methods"]["eagle"]["tokens_per_second"],
-        "eval/plain_tokens_per_s": aggregate["methods"]["plain"]["tokens_per_second"],
-        "eval/outputs_match_plain": float(bool(aggregate["all_outputs_match_plain"])),
-        "eval/prompts": aggregate["prompts"],
+        f"{prefix}/tau": aggregate["tau_mean"],
+        f"{prefix}/tau_pooled": aggregate["tau_pooled"],
+        f"{prefix}/speedup_vs_plain": aggregate["speedup"]["eagle_vs_plain"],
+        f"{prefix}/eagle_tokens_per_s": aggregate["methods"]["eagle"]["tokens_per_second"],
+        f"{prefix}/plain_tokens_per_s": aggregate["methods"]["plain"]["tokens_per_second"],
+        f"{prefix}/outputs_match_plain": float(bool(aggregate["all_outputs_match_plain"])),
+        f"{prefix}/prompts": aggregate["prompts"],
     }
     promoted = False
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="eagle-eval-")) / "bench.json"
@@ -131,7 +133,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if run_id:
         registry.log_metrics(run_id, {k: v for k, v in metrics.items() if v is not None})
         for path in paths.values():
-            registry.log_artifact(run_id, str(path), f"eval/{settings['dtype']}-{settings['tree']}-T{settings['temperature']:g}")
+            registry.log_artifact(run_id, str(path), f"{prefix}-{settings['tree']}")
     if args.promote_tau is not None and version_info is not None:
         tau = aggregate["tau_mean"] or 0.0
         if tau >= args.promote_tau:

@@ -52,12 +52,12 @@ def test_evaluate_logs_to_the_training_run_and_promotes(smollm2, mlflow_server, 
     assert summary["run_id"] == run_id and summary["version"] == version and summary["promoted"] is True
     client = MlflowClient(mlflow_server)
     metrics = client.get_run(run_id).data.metrics
-    assert metrics["eval/tau"] >= 1.0 and metrics["eval/outputs_match_plain"] == 1.0  # fp32: exact
-    assert metrics["eval/prompts"] == 2
+    assert metrics["eval/float32-T0/tau"] >= 1.0 and metrics["eval/float32-T0/outputs_match_plain"] == 1.0  # fp32: exact
+    assert metrics["eval/float32-T0/prompts"] == 2
     assert client.get_model_version_by_alias("smollm2-135m-eagle", "production").version == version
     report = json.loads(out.read_text())
     assert report["aggregate"]["prompts"] == 2
-    artifacts = [a.path for a in client.list_artifacts(run_id, "eval")]
+    artifacts = [a.path for a in client.list_artifacts(run_id, "eval/float32-T0-dynamic")]
     assert artifacts, "the bench report was not logged to the run"
 
 
