@@ -222,7 +222,8 @@ def _train_loop(config: dict[str, Any]) -> None:
         plan = token_budget_batches(lengths, train.batch_tokens, seed=train.seed + rank, epoch=epoch)[: steps_per_epoch * train.grad_accum]
         skip = (step - epoch * steps_per_epoch) * train.grad_accum  # resumed mid-epoch
         for index, batch_ids in enumerate(plan[skip:], start=skip):
-            started = time.perf_counter()
+            if index % train.grad_accum == 0:
+                started = time.perf_counter()  # the optimizer step's first micro batch
             batch = features_of(collate([records[i] for i in batch_ids])).to(device)
             lr = set_lr()
             loss, metrics = compute_loss(engine.module, batch, loss_config, autocast_bf16=train.autocast_bf16)

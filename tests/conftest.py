@@ -30,3 +30,15 @@ def mlflow_server(tmp_path_factory):
         yield uri
     finally:
         stop_mlflow_server(process)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray_shutdown_after_module():
+    """Jobs called in-process (featurize(...), prepare(...)) start a private Ray instance and leave it up for
+    the rest of their module; shut it down when the module ends so the next module starts from none."""
+    yield
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()

@@ -63,6 +63,8 @@ def _assistant_runs(record) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    if ray.is_initialized():  # an earlier test of this module ran a job in-process
+        ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
     ray.shutdown()
