@@ -55,50 +55,44 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _check_revision(target_spec: str, head: str, head_revision: str | None) -> None:
-    from eagle.target import resolve_target
+def _check_revision(head: str, head_name: str | None, head_revision: str | None, name: str, revision: str) -> None:
+    """A head made for another target (name or revision) fails here, before any worker starts and before
+    anything is downloaded, logged or promoted (the worker's ``EagleHead.from_pretrained`` then checks shapes
+    and vocabulary too)."""
+    if (head_name is not None and head_name != name) or (head_revision is not None and head_revision != revision):
+        raise EagleError(f"head {head} was trained for {head_name or name} revision {head_revision}, not {name} revision {revision}")
 
-    _, name, revision = resolve_target(target_spec)
-    if head_revision is not None and head_revision != revision:
-        raise EagleError(f"head {head} was trained for {name} revision {head_revision}, not revision {revision}")
 
-
-def _check_pair(target_spec: str, head_dir: str) -> None:
-    """Head config vs target name and revision, before any worker starts and without loading weights (the
-    worker's ``EagleHead.from_pretrained`` then checks shapes and vocabulary too)."""
+def _head_config(head_dir: str):
     from eagle.head import HeadConfig
-    from eagle.target import resolve_target
 
     config_path = Path(head_dir) / "config.json"
     if not config_path.is_file():
         raise EagleError(f"{head_dir} is not a head directory (no config.json)")
-    config = HeadConfig(**json.loads(config_path.read_text()))
-    _, name, revision = resolve_target(target_spec)
-    if config.target_name != name or config.target_revision != revision:
-        raise EagleError(
-            f"head {head_dir} was trained for {config.target_name} revision {config.target_revision}, "
-            f"not {name} revision {revision}"
-        )
+    return HeadConfig(**json.loads(config_path.read_text()))
 
 
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from eagle.cli import resolve_head_spec
+    from eagle.target import resolve_target
     from eagle_platform import registry
 
     preset = get_preset(args.preset)
     target_spec = args.target or preset.target
-    head_spec = args.head or registry.head_uri(_target_name(target_spec), "candidate")
+    _, target_name, revision = resolve_target(target_spec)  # once: a built-in target's revision hashes its GGUF
+    head_spec = args.head or registry.head_uri(target_name, "candidate")
     version_info = None
     if head_spec.startswith("models:/"):
-        name, alias, version = registry.parse_models_uri(head_spec)
-        version_info = registry.head_version_info(name, alias, version=version)
-        _check_revision(target_spec, head_spec, version_info["tags"].get("target_revision"))
+        model_name, alias, version = registry.parse_models_uri(head_spec)
+        version_info = registry.head_version_info(model_name, alias, version=version)
+        _check_revision(head_spec, None, version_info["tags"].get("target_revision"), target_name, revision)
     elif args.promote_tau is not None:
         raise EagleError("--promote-tau needs a registered head (--head models:/<target>-eagle@<alias>)")
     head_dir = resolve_head_spec(head_spec)
-    _check_pair(target_spec, head_dir)
+    config = _head_config(head_dir)
+    _check_revision(head_dir, config.target_name, config.target_revision, target_name, revision)
     run_id = args.run_id or (version_info or {}).get("run_id")
 
     settings = {
@@ -137,17 +131,11 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if args.promote_tau is not None and version_info is not None:
         tau = aggregate["tau_mean"] or 0.0
         if tau >= args.promote_tau:
-            registry.promote(_target_name(target_spec), version_info["version"], "production")
+            registry.promote(target_name, version_info["version"], "production")
             promoted = True
         logger.info("tau %.3f %s the promotion threshold %.2f", tau, ">=" if promoted else "<", args.promote_tau)
     summary = {"head": head_spec, "version": (version_info or {}).get("version"), "run_id": run_id, "promoted": promoted, "report": str(out), **metrics}
     return summary
-
-
-def _target_name(spec: str) -> str:
-    from eagle.target import resolve_target
-
-    return resolve_target(spec)[1]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,3 @@ def dataset_storage(storage_uri: str, target_name: str, dataset: str) -> Storage
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
-
-def shard_index(name: str) -> int:
-    return int(name.removeprefix("shard-").removesuffix(".safetensors"))
