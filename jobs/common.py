@@ -66,7 +66,7 @@ def torch_extensions_dir() -> str:
     return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, "torch_extensions")
 
 
-def init_ray(num_cpus: int | None = None) -> None:
+def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = None) -> None:
     """Connect to the cluster this job was submitted to (``RAY_ADDRESS`` is set by ``ray job submit``), or
     start a private local instance when run directly (set ``RAY_ADDRESS`` to use an existing cluster).
 
@@ -75,7 +75,7 @@ def init_ray(num_cpus: int | None = None) -> None:
     another cluster, Ray Train's ``PlacementGroupCleaner`` asked *that* cluster about our controller, found
     nothing and removed our workers' placement group mid-run. So a local instance gets a chosen GCS port that
     is exported to all its processes as ``RAY_ADDRESS``, and a dashboard (which serves the state API) on a
-    free port.
+    free port. ``metrics_export_port`` fixes where Ray's metrics agent serves Prometheus metrics (local only).
     """
     import ray
 
@@ -100,6 +100,7 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(
             address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
             runtime_env=env, log_to_driver=True,
+            **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
         )
     finally:
         if saved is None:

@@ -3,51 +3,19 @@ with token authentication, down; afterwards nothing it started is left listening
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import sys
 import urllib.request
-from pathlib import Path
 
 import pytest
 
-from mlflow_server import free_port
+from stack_helpers import BIN, ROOT, client_env, listening, stack, stack_env
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[1]
-STACK = ROOT / "infra" / "local" / "stack.sh"
-BIN = Path(sys.executable).parent
-RAY_WORKER_PORTS = range(10002, 20000)  # Ray's default worker port range: no head port may fall in it
-
-
-def stack_port(taken: set[int]) -> int:
-    while True:
-        port = free_port()
-        if port not in RAY_WORKER_PORTS and port not in taken:
-            taken.add(port)
-            return port
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
-
-
-def stack(command: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(STACK), command], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.skipif(not (BIN / "ray").is_file() or not (BIN / "mlflow").is_file(), reason="needs ray and mlflow in the venv")
 def test_stack_up_status_submit_down(tmp_path):
-    taken: set[int] = set()
-    ports = {name: stack_port(taken) for name in ("MLFLOW_PORT", "RAY_PORT", "RAY_DASHBOARD_PORT", "RAY_CLIENT_PORT", "RAY_AGENT_PORT")}
-    env = dict(os.environ, EAGLE_STACK_DIR=str(tmp_path / "stack"), RAY_NUM_CPUS="1", PATH=f"{BIN}:{os.environ['PATH']}")
-    env.update({name: str(port) for name, port in ports.items()})
-    for name in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "MLFLOW_TRACKING_URI"):
-        env.pop(name, None)
+    env, ports = stack_env(tmp_path / "stack")
     mlflow_uri = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
     try:
         up = stack("up", env)
@@ -67,10 +35,7 @@ def test_stack_up_status_submit_down(tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         assert "mlflow: up" in status.stdout and "ray: up" in status.stdout
 
-        job_env = dict(env)
-        for line in (tmp_path / "stack" / "stack.env").read_text().splitlines():
-            key, _, value = line.removeprefix("export ").partition("=")
-            job_env[key] = value
+        job_env = client_env(env, tmp_path / "stack")
         job = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--working-dir", str(ROOT), "--", "python", "-c", "import eagle, jobs; print('job-ok')"],
             env=job_env, cwd=ROOT, capture_output=True, text=True, timeout=300,

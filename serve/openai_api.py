@@ -1,0 +1,398 @@
+"""The OpenAI-compatible HTTP API: request schemas, error bodies, SSE, and the ingress that routes by ``model``.
+
+``OpenAIIngress`` is a plain class holding one ``PairClient`` per served model id; ``make_api`` builds its
+FastAPI app. ``serve.app`` makes the ingress a Serve deployment whose clients call the pair deployments
+through ``DeploymentHandle``s; tests can plug in ``LocalPairClient`` (a ``PairServer`` in-process).
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
+sends ``text/event-stream`` chunks ending in ``data: [DONE]``), ``GET /health``. Every error is an
+OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed JSON,
+wrong types, out-of-range values, a prompt over the context window), 404 for an unknown model, 503/429
+with ``Retry-After`` when a pair's queue is full or its replicas are unavailable, 500 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from typing import Annotated, Any, AsyncIterator, Literal, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.pair import PairServer, RequestError
+
+logger = logging.getLogger(__name__)
+
+Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" (a string) is rejected
+
+
+# ----------------------------------------------------------------------------------------------------
+# Request schemas (pydantic at the HTTP boundary only)
+# ----------------------------------------------------------------------------------------------------
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields this server ignores (user, ...)
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: dict[str, Any] | None = None
+    n: StrictInt = Field(1, ge=1, le=1)  # one choice per request
+
+    def stops(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if len(stops) > 4:
+            raise RequestError("stop: at most 4 sequences", param="stop")
+        return stops
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | list[StrictStr] | list[StrictInt]
+
+    def to_request(self) -> dict[str, Any]:
+        prompt: dict[str, Any]
+        if isinstance(self.prompt, str):
+            prompt = {"prompt": self.prompt}
+        elif self.prompt and all(isinstance(p, str) for p in self.prompt):
+            if len(self.prompt) != 1:
+                raise RequestError("prompt: one prompt per request (a list of one string, or token ids)", param="prompt")
+            prompt = {"prompt": self.prompt[0]}
+        else:
+            prompt = {"prompt_ids": list(self.prompt)}
+        return {**prompt, **_sampling_fields(self)}
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...
+
+    role: Literal["system", "user", "assistant", "developer"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+    def to_request(self) -> dict[str, Any]:
+        fields = _sampling_fields(self)
+        if self.max_completion_tokens is not None:
+            fields["max_tokens"] = self.max_completion_tokens
+        messages = [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
+        return {"messages": messages, **fields}
+
+
+def _sampling_fields(body: _Sampling) -> dict[str, Any]:
+    return {
+        "max_tokens": body.max_tokens,
+        "temperature": float(body.temperature),
+        "top_p": float(body.top_p),
+        "stop": list(body.stops()),
+        "seed": body.seed,
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.retry_after_s is not None else {}
+
+
+def _validation_error(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return APIError(400, f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request"),
+                    param=str(first["loc"][0]) if first.get("loc") else None)
+
+
+def as_api_error(err: BaseException, *, retry_after_s: float) -> APIError:
+    """Map what a pair call raised to an HTTP error (Ray wraps remote errors: look at the cause too)."""
+    cause = getattr(err, "cause", None) or err
+    if isinstance(cause, APIError):
+        return cause
+    if isinstance(cause, RequestError) or isinstance(err, RequestError):
+        source = cause if isinstance(cause, RequestError) else err
+        return APIError(400, source.message, param=source.param, code=source.code)
+    name = type(cause).__name__
+    try:
+        from ray.serve.exceptions import BackPressureError
+
+        if isinstance(cause, BackPressureError):
+            return APIError(cause.status_code, "the model is at capacity; retry later", type="server_busy",
+                            code="rate_limit_exceeded" if cause.status_code == 429 else "overloaded",
+                            retry_after_s=cause.retry_after_s or retry_after_s)
+    except ImportError:  # pragma: no cover - ray is a dependency
+        pass
+    if name in {"RayActorError", "ActorDiedError", "ActorUnavailableError", "DeploymentUnavailableError", "RequestCancelledError"}:
+        return APIError(503, f"the model's replica is unavailable ({name}); retry", type="server_error",
+                        code="unavailable", retry_after_s=retry_after_s)
+    logger.exception("unexpected error serving a request", exc_info=err)
+    message = str(cause).splitlines()[0] if str(cause) else name
+    return APIError(500, f"internal error: {message}", type="server_error", code="internal_error")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pair clients: how the ingress reaches a pair
+# ----------------------------------------------------------------------------------------------------
+
+
+class PairClient(Protocol):
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]: ...
+    def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]: ...
+    async def info(self) -> dict[str, Any]: ...
+    async def health(self) -> None: ...
+
+
+class LocalPairClient:
+    """A ``PairServer`` in this process (tests, single-process use)."""
+
+    def __init__(self, server: PairServer) -> None:
+        self.server = server
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        return await self.server.generate(request)
+
+    def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self.server.stream(request)
+
+    async def info(self) -> dict[str, Any]:
+        return self.server.info()
+
+    async def health(self) -> None:
+        self.server.check_health()
+
+
+class HandlePairClient:
+    """A pair deployment reached through its ``DeploymentHandle`` (Serve routes to a replica)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        return await self.handle.generate.remote(request)
+
+    def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return self.handle.options(stream=True).stream.remote(request)
+
+    async def info(self) -> dict[str, Any]:
+        return await self.handle.info.remote()
+
+    async def health(self) -> None:
+        await self.handle.check_health.remote()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The ingress
+# ----------------------------------------------------------------------------------------------------
+
+
+class OpenAIIngress:
+    """Routes OpenAI requests to pairs by ``model``. ``clients`` maps model id -> PairClient (or a Serve
+    ``DeploymentHandle``, wrapped here)."""
+
+    def __init__(self, clients: dict[str, Any], *, retry_after_s: float = 1.0, request_timeout_s: float = 600.0) -> None:
+        self.clients: dict[str, PairClient] = {
+            name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client)
+            for name, client in clients.items()
+        }
+        self.retry_after_s = retry_after_s
+        self.request_timeout_s = request_timeout_s
+        self.created = int(time.time())
+
+    def __serve_build_asgi_app__(self):  # Serve's hook: `serve.ingress()` with no app builds it per replica
+        return make_api(self)
+
+    def client(self, model: str) -> PairClient:
+        if model not in self.clients:
+            raise APIError(404, f"the model {model!r} does not exist; GET /v1/models lists what this server serves",
+                           param="model", code="model_not_found")
+        return self.clients[model]
+
+    async def models(self) -> dict[str, Any]:
+        async def one(name: str, client: PairClient) -> dict[str, Any]:
+            try:
+                info = await asyncio.wait_for(client.info(), timeout=10)
+            except Exception as err:  # noqa: BLE001 - listing must not fail because one pair is down
+                info = {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
+            return {"id": name, "object": "model", "created": self.created, "owned_by": "eagle-platform", "eagle": info}
+
+        return {"object": "list", "data": list(await asyncio.gather(*(one(n, c) for n, c in self.clients.items())))}
+
+    async def health(self) -> tuple[int, dict[str, Any]]:
+        async def one(client: PairClient) -> str:
+            try:
+                await asyncio.wait_for(client.health(), timeout=10)
+                return "ok"
+            except Exception as err:  # noqa: BLE001 - reported per pair
+                return f"unhealthy: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+
+        states = dict(zip(self.clients, await asyncio.gather(*(one(c) for c in self.clients.values()))))
+        healthy = all(state == "ok" for state in states.values())
+        return (200 if healthy else 503), {"status": "ok" if healthy else "unhealthy", "models": states}
+
+
+def _is_handle(obj: Any) -> bool:
+    return type(obj).__name__ in {"DeploymentHandle"}
+
+
+def _completion_body(kind: str, model: str, result: dict[str, Any], created: int) -> dict[str, Any]:
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": result["text"]}, "finish_reason": result["finish_reason"], "logprobs": None}
+        obj, prefix = "chat.completion", "chatcmpl-"
+    else:
+        choice = {"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}
+        obj, prefix = "text_completion", "cmpl-"
+    return {
+        "id": prefix + result["id"], "object": obj, "created": created, "model": model, "choices": [choice],
+        "usage": result["usage"], "eagle": result["eagle"],
+    }
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse_stream(kind: str, model: str, first: dict[str, Any], events: AsyncIterator[dict[str, Any]],
+                      include_usage: bool, retry_after_s: float) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    chunk_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + first["id"]
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, *, role: bool = False, extra: dict | None = None) -> dict[str, Any]:
+        if kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else {"content": delta_text})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+        return {"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [choice], **(extra or {})}
+
+    if kind == "chat":
+        yield _sse(chunk(None, None, role=True))
+    try:
+        async for event in events:
+            if event["type"] == "delta":
+                yield _sse(chunk(event["text"], None))
+            elif event["type"] == "end":
+                yield _sse(chunk(None, event["finish_reason"], extra={"eagle": event["eagle"]}))
+                if include_usage:
+                    yield _sse({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [], "usage": event["usage"]})
+    except Exception as err:  # noqa: BLE001 - headers are sent: report the failure in-band, then end the stream
+        api_error = as_api_error(err, retry_after_s=retry_after_s)
+        yield _sse(api_error.body())
+    yield _sse("[DONE]")
+
+
+def make_api(ingress: OpenAIIngress):
+    """The FastAPI app for ``ingress``."""
+    app = FastAPI(title="eagle-platform", description="EAGLE speculative decoding, OpenAI-compatible")
+
+    def error_response(err: APIError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request, err: StarletteHTTPException):
+        return error_response(APIError(err.status_code, str(err.detail), code="not_found" if err.status_code == 404 else None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request, err: RequestValidationError):
+        return error_response(APIError(400, str(err.errors()[0].get("msg", "invalid request"))))
+
+    async def parse(request: Request, schema: type[_Sampling]) -> _Sampling:
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(raw, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            return schema.model_validate(raw)
+        except ValidationError as err:
+            raise _validation_error(err) from None
+
+    async def complete(kind: str, request: Request, schema: type[_Sampling]):
+        body = await parse(request, schema)
+        client = ingress.client(body.model)
+        try:
+            payload = body.to_request()  # type: ignore[attr-defined]
+        except RequestError as err:
+            raise APIError(400, err.message, param=err.param, code=err.code) from None
+        if body.stream:
+            events = client.stream(payload)
+            try:  # the first event arrives after validation on the replica: errors are still proper 4xx
+                first = await asyncio.wait_for(events.__anext__(), timeout=ingress.request_timeout_s)
+            except StopAsyncIteration:
+                raise APIError(500, "the model ended the stream before it started", type="server_error") from None
+            except Exception as err:  # noqa: BLE001 - mapped to an HTTP error
+                raise as_api_error(err, retry_after_s=ingress.retry_after_s) from None
+            return StreamingResponse(
+                _sse_stream(kind, body.model, first, events, body.include_usage(), ingress.retry_after_s),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            result = await asyncio.wait_for(client.generate(payload), timeout=ingress.request_timeout_s)
+        except Exception as err:  # noqa: BLE001 - mapped to an HTTP error
+            raise as_api_error(err, retry_after_s=ingress.retry_after_s) from None
+        return JSONResponse(_completion_body(kind, body.model, result, int(time.time())))
+
+    @app.get("/v1/models")
+    async def list_models():
+        return JSONResponse(await ingress.models())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete("text", request, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete("chat", request, ChatRequest)
+
+    @app.get("/health")
+    async def health():
+        status, body = await ingress.health()
+        return JSONResponse(body, status_code=status)
+
+    return app

@@ -1,0 +1,495 @@
+"""One served pair: a target and its EAGLE head (or the target alone), as a plain class.
+
+``PairServer`` loads the pair, turns requests into ``eagle.generate.Decoder`` calls and swaps the head when
+the registry's alias moves. It knows nothing about HTTP or Ray Serve's deployment options: ``serve.app``
+makes it a deployment, ``serve.openai_api`` speaks HTTP. Tests run it in-process with tiny models.
+
+What a replica does today: one decode step at a time. Each request has its own ``Decoder.stream`` iterator
+(its own target and head KV caches, ``eagle.generate._State``); steps of concurrent requests run one after
+the other on a single-thread executor, so requests interleave at step granularity and never share state.
+Batched speculative decoding (several requests verified in one target forward) is a later goal.
+
+Hot swap: with a ``models:/<name>@<alias>`` head, a watcher thread polls the registry every ``watch_s``
+seconds; when the alias points at a new version it downloads and loads that head beside the current one,
+then swaps the decoder reference. Requests already running keep the decoder they started with, so none is
+dropped; new requests get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import torch
+
+from eagle.errors import EagleError
+from eagle.generate import Decoder, GenerationConfig, StepStats
+from eagle.target import Target
+from eagle.tree import DynamicTree
+from eagle.verify import SamplingConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(EagleError):
+    """A request the pair cannot serve as asked (HTTP 400). ``code`` follows OpenAI's error codes."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def __reduce__(self):  # keep param/code when Ray pickles the error back to the caller
+        return (_rebuild_request_error, (self.message, self.param, self.code))
+
+
+def _rebuild_request_error(message: str, param: str | None, code: str | None) -> "RequestError":
+    return RequestError(message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """The draft tree (EAGLE-2 dynamic tree, ``eagle.tree.DynamicTree``); None = the engine default."""
+
+    depth: int | None = None
+    top_k: int | None = None
+    total_tokens: int | None = None
+
+    def build(self) -> DynamicTree:
+        default = DynamicTree()
+        return DynamicTree(
+            depth=self.depth or default.depth, top_k=self.top_k or default.top_k, total_tokens=self.total_tokens or default.total_tokens
+        )
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """What one pair serves.
+
+    Attributes:
+        model: the id clients send as ``model`` (e.g. ``smollm2-135m-eagle``).
+        target: a built-in target name (``smollm2-135m``) or a local Hugging Face directory.
+        head: ``models:/<name>@<alias>`` (registry), a local head directory, or None for the target alone.
+        dtype: weights and compute dtype of target and head.
+        max_tokens: the largest ``max_tokens`` a request may ask for.
+        default_max_tokens: used when a request gives none.
+        watch_s: registry poll interval for hot swap (``models:/...@alias`` heads only); None disables it.
+        threads: torch intra-op threads per replica (None: torch's default).
+        tree: the draft tree.
+    """
+
+    model: str
+    target: str
+    head: str | None = None
+    dtype: str = "bfloat16"
+    max_tokens: int = 1024
+    default_max_tokens: int = 256
+    watch_s: float | None = 30.0
+    threads: int | None = None
+    tree: TreeSettings = field(default_factory=TreeSettings)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A decoding request as the HTTP layer hands it over (already type-checked there).
+
+    Exactly one of ``prompt`` (plain text), ``prompt_ids`` (token ids) or ``messages`` (chat turns rendered
+    with the target's chat template) is set.
+    """
+
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class _Loaded:
+    """An immutable snapshot of what serves requests: swapped as a whole on hot swap."""
+
+    decoder: Decoder
+    head_dir: str | None
+    head_version: str | None  # registry version, or None for a local folder / no head
+    loaded_at: float
+
+
+class _Metrics:
+    """Prometheus metrics through Ray Serve's metrics API (exported by Ray's metrics agent); a no-op
+    outside a Serve replica so the class also runs in plain Python."""
+
+    def __init__(self, model: str) -> None:
+        self.tags = {"model": model}
+        try:
+            from ray import serve
+            from ray.serve import metrics
+
+            serve.get_replica_context()  # raises outside a replica
+        except Exception:  # noqa: BLE001 - any failure means "not in a replica": metrics are optional there
+            self.enabled = False
+            return
+        self.enabled = True
+        keys = ("model",)
+        self.requests = metrics.Counter("eagle_requests", "Requests answered, by outcome.", tag_keys=("model", "outcome"))
+        self.tokens = metrics.Counter("eagle_generated_tokens", "Tokens generated.", tag_keys=keys)
+        self.tau = metrics.Histogram(
+            "eagle_tau", "Average acceptance length per request (tokens per target forward).",
+            boundaries=[1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0], tag_keys=keys,
+        )
+        seconds = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+        self.ttft = metrics.Histogram("eagle_time_to_first_token_s", "Seconds to the first token.", boundaries=seconds, tag_keys=keys)
+        self.latency = metrics.Histogram("eagle_request_latency_s", "Seconds per request.", boundaries=seconds, tag_keys=keys)
+
+    def finished(self, *, tokens: int, tau: float | None, ttft: float | None, latency: float) -> None:
+        if not self.enabled:
+            return
+        self.requests.inc(1, tags={**self.tags, "outcome": "ok"})
+        self.tokens.inc(tokens, tags=self.tags)
+        if tau:
+            self.tau.observe(tau, tags=self.tags)
+        if ttft is not None:
+            self.ttft.observe(ttft, tags=self.tags)
+        self.latency.observe(latency, tags=self.tags)
+
+    def failed(self, outcome: str) -> None:
+        if self.enabled:
+            self.requests.inc(1, tags={**self.tags, "outcome": outcome})
+
+
+class StopStrings:
+    """OpenAI ``stop`` sequences on the decoded text: the output ends before the first match, which is not
+    returned. In streaming, text that could still become a match is held back until it cannot."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # characters released
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text; return (text safe to release, whether a stop sequence was hit)."""
+        self.text += delta
+        if not self.stops:
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, False
+        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
+        if hits:
+            end = min(hits)
+            out = self.text[self.sent : end] if end > self.sent else ""
+            self.sent = max(self.sent, end)
+            return out, True
+        hold = 0  # longest suffix of the text that is a proper prefix of some stop sequence
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:length]):
+                    hold = max(hold, length)
+                    break
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent : end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+def _resolve_head_dir(spec: str) -> tuple[str, str | None]:
+    """A head spec as (local directory, registry version or None)."""
+    if spec.startswith("models:/"):
+        from eagle_platform import registry
+
+        name, alias, version = registry.parse_models_uri(spec)
+        info = registry.head_version_info(name, alias, version=version)
+        return registry.resolve_head(f"models:/{name}/{info['version']}"), str(info["version"])
+    from eagle.cli import resolve_head_spec
+
+    return resolve_head_spec(spec), None
+
+
+class PairServer:
+    """Serve one (target, head) pair; see the module docstring for concurrency and hot swap."""
+
+    def __init__(self, spec: PairSpec | dict[str, Any], *, target: Target | None = None) -> None:
+        """``spec`` (a PairSpec or its dict form, as Serve passes it); ``target`` injects an already loaded
+        target (tests), else ``spec.target`` is loaded."""
+        self.spec = spec if isinstance(spec, PairSpec) else pair_spec_from_dict(spec)
+        if self.spec.threads:
+            torch.set_num_threads(self.spec.threads)
+        from eagle.target import load_target
+
+        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype)
+        if self.target.tokenizer is None:
+            raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
+        self.tree = self.spec.tree.build()
+        self._head_spec = self.spec.head
+        self._loaded = self._load(self._head_spec)
+        self._swap_lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"decode-{self.spec.model}")
+        self._metrics = _Metrics(self.spec.model)
+        self._stop_watch = threading.Event()
+        self._watch_s = self.spec.watch_s
+        self._watch_error: str | None = None
+        self._watcher: threading.Thread | None = None
+        if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s:
+            self._start_watcher()
+        logger.info("pair %s ready: target %s, head %s (version %s)", self.spec.model, self.target.name, self._loaded.head_dir, self._loaded.head_version)
+
+    # ---- loading and hot swap -------------------------------------------------------------------------
+
+    def _load(self, head_spec: str | None) -> _Loaded:
+        from eagle.head import EagleHead
+
+        if head_spec is None:
+            return _Loaded(Decoder(self.target, None, self.tree), None, None, time.time())
+        head_dir, version = _resolve_head_dir(head_spec)
+        head = EagleHead.from_pretrained(head_dir, self.target)
+        config = head.config
+        if config.target_revision not in ("unknown", self.target.revision):
+            raise EagleError(
+                f"head {head_spec} was trained for {config.target_name} revision {config.target_revision}, "
+                f"not {self.target.name} revision {self.target.revision}"
+            )
+        return _Loaded(Decoder(self.target, head, self.tree), head_dir, version, time.time())
+
+    def _start_watcher(self) -> None:
+        self._watcher = threading.Thread(target=self._watch, name=f"head-watch-{self.spec.model}", daemon=True)
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop_watch.wait(self._watch_s or 30.0):
+            try:
+                self.refresh()
+                self._watch_error = None
+            except Exception as err:  # noqa: BLE001 - a registry hiccup must not kill the replica: keep serving
+                self._watch_error = str(err).splitlines()[0] if str(err) else type(err).__name__
+                logger.warning("pair %s: registry poll failed, keeping version %s: %s", self.spec.model, self._loaded.head_version, self._watch_error)
+
+    def refresh(self) -> bool:
+        """Load the head the alias points at now, if it moved; True when the head was swapped."""
+        spec = self._head_spec
+        if not spec or not spec.startswith("models:/"):
+            return False
+        from eagle_platform import registry
+
+        name, alias, version = registry.parse_models_uri(spec)
+        current = str(registry.head_version_info(name, alias, version=version)["version"])
+        if current == self._loaded.head_version:
+            return False
+        loaded = self._load(f"models:/{name}/{current}")
+        with self._swap_lock:
+            previous, self._loaded = self._loaded, loaded
+        logger.info("pair %s: %s moved, head version %s -> %s", self.spec.model, spec, previous.head_version, loaded.head_version)
+        return True
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's ``user_config``: ``{"head": <spec>}`` switches to that head (a ``serve deploy`` with a new
+        value updates replicas in place), ``{"watch_s": s}`` changes the poll interval."""
+        if "watch_s" in user_config:
+            self._watch_s = float(user_config["watch_s"]) if user_config["watch_s"] else None
+        head = user_config.get("head", self._head_spec)
+        if head != self._head_spec:
+            loaded = self._load(head)
+            with self._swap_lock:
+                self._loaded, self._head_spec = loaded, head
+            logger.info("pair %s: reconfigured to head %s (version %s)", self.spec.model, head, loaded.head_version)
+        if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s and self._watcher is None:
+            self._start_watcher()
+
+    def shutdown(self) -> None:
+        self._stop_watch.set()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def __del__(self) -> None:  # Serve drops replicas by garbage collection
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+    # ---- health and metadata --------------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Serve's health check: raises when this replica cannot serve (Serve then replaces it)."""
+        if self._executor._shutdown:  # noqa: SLF001 - the executor is ours
+            raise RuntimeError(f"pair {self.spec.model}: decode executor is shut down")
+
+    def info(self) -> dict[str, Any]:
+        loaded = self._loaded
+        return {
+            "model": self.spec.model,
+            "target": self.target.name,
+            "target_revision": self.target.revision,
+            "head": self._head_spec,
+            "head_version": loaded.head_version,
+            "speculative": loaded.decoder.head is not None,
+            "tree": asdict(self.spec.tree),
+            "dtype": self.spec.dtype,
+            "context_window": self.target.max_positions,
+            "max_tokens": self.spec.max_tokens,
+            "registry_error": self._watch_error,
+        }
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        tokenizer = self.target.tokenizer
+        if request.prompt_ids is not None:
+            ids = list(request.prompt_ids)
+            if not ids:
+                raise RequestError("the prompt is empty", param="prompt")
+            if min(ids) < 0 or max(ids) >= self.target.vocab_size:
+                raise RequestError(f"prompt token ids must lie in [0, {self.target.vocab_size})", param="prompt")
+            return ids
+        if request.messages is not None:
+            if not getattr(tokenizer, "chat_template", None):
+                raise RequestError(f"model {self.spec.model!r} has no chat template: use /v1/completions", param="messages")
+            messages = [{"role": role, "content": content} for role, content in request.messages]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            if not request.prompt:
+                raise RequestError("the prompt is empty", param="prompt")
+            ids = tokenizer.encode(request.prompt)
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        return ids
+
+    def _config(self, request: Request, prompt_len: int, decoder: Decoder) -> GenerationConfig:
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.spec.default_max_tokens
+        if max_tokens > self.spec.max_tokens:
+            raise RequestError(f"max_tokens must be at most {self.spec.max_tokens}, got {max_tokens}", param="max_tokens")
+        window = self.target.max_positions
+        tree_size = decoder.tree.size if decoder.head is not None else 0
+        room = window - prompt_len - tree_size - 1
+        if room <= 0:
+            raise RequestError(
+                f"the prompt has {prompt_len} tokens; this model's context window is {window} tokens",
+                param="messages" if request.messages is not None else "prompt", code="context_length_exceeded",
+            )
+        if request.max_tokens is None:
+            max_tokens = min(max_tokens, room)
+        elif max_tokens > room:
+            raise RequestError(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceed this model's context window "
+                f"of {window} tokens", param="max_tokens", code="context_length_exceeded",
+            )
+        try:
+            sampling = SamplingConfig(temperature=request.temperature, top_p=request.top_p)
+            return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=request.seed)
+        except EagleError as err:
+            raise RequestError(str(err)) from None
+
+    def _run(self, request: Request) -> Iterator[dict[str, Any]]:
+        """The synchronous event stream of one request: a ``start`` event, ``delta`` events, an ``end`` event.
+        Validation errors raise before the first event."""
+        loaded = self._loaded  # this request keeps this head even if a swap happens meanwhile
+        prompt_ids = self._prompt_ids(request)
+        config = self._config(request, len(prompt_ids), loaded.decoder)
+        request_id = uuid.uuid4().hex
+        yield {"type": "start", "id": request_id, "prompt_tokens": len(prompt_ids), "head_version": loaded.head_version}
+        started = time.perf_counter()
+        stops = StopStrings(request.stop)
+        steps: list[StepStats] = []
+        tokens = 0
+        finish = "length"
+        first_token_s: float | None = None
+        stop_ids = set(config.stop_token_ids or self.target.eos_token_ids)
+        for output in loaded.decoder.stream(prompt_ids, config):
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - started
+            if output.stats is not None:
+                steps.append(output.stats)
+            tokens += len(output.token_ids)
+            text, hit = stops.push(output.text)
+            if output.token_ids and output.token_ids[-1] in stop_ids:
+                finish = "stop"
+            if text:
+                yield {"type": "delta", "text": text}
+            if hit:
+                finish = "stop"
+                break
+        else:
+            tail = stops.flush()
+            if tail:
+                yield {"type": "delta", "text": tail}
+        total_s = time.perf_counter() - started
+        accepted = sum(s.accepted for s in steps)
+        tau = (accepted + len(steps)) / len(steps) if steps else None
+        self._metrics.finished(tokens=tokens, tau=tau if loaded.decoder.head is not None else None, ttft=first_token_s, latency=total_s)
+        yield {
+            "type": "end",
+            "finish_reason": finish,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": tokens, "total_tokens": len(prompt_ids) + tokens},
+            "eagle": {
+                "head_version": loaded.head_version,
+                "speculative": loaded.decoder.head is not None,
+                "target_forwards": len(steps) + 1,  # + the prefill
+                "accepted_tokens": accepted,
+                "tau": round(tau, 4) if tau is not None else None,
+                "draft_s": round(sum(s.draft_s for s in steps), 6),
+                "verify_s": round(sum(s.verify_s for s in steps), 6),
+                "time_to_first_token_s": round(first_token_s or 0.0, 6),
+                "total_s": round(total_s, 6),
+            },
+        }
+
+    async def stream(self, request: Request | dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The request's events (``start``, ``delta``..., ``end``); each decode step runs on the replica's
+        single decode thread, so the event loop stays free for health checks and other requests."""
+        request = request if isinstance(request, Request) else request_from_dict(request)
+        events = self._run(request)
+        loop = asyncio.get_running_loop()
+        sentinel = object()
+        try:
+            while True:
+                event = await loop.run_in_executor(self._executor, next, events, sentinel)
+                if event is sentinel:
+                    return
+                yield event
+        except RequestError:
+            self._metrics.failed("invalid")
+            raise
+        except Exception:
+            self._metrics.failed("error")
+            raise
+        finally:
+            await loop.run_in_executor(self._executor, events.close)  # frees the request's caches
+
+    async def generate(self, request: Request | dict[str, Any]) -> dict[str, Any]:
+        """The whole answer: ``{"id", "text", "finish_reason", "usage", "eagle"}``."""
+        parts: list[str] = []
+        result: dict[str, Any] = {}
+        async for event in self.stream(request):
+            if event["type"] == "start":
+                result["id"] = event["id"]
+            elif event["type"] == "delta":
+                parts.append(event["text"])
+            else:
+                result.update(finish_reason=event["finish_reason"], usage=event["usage"], eagle=event["eagle"])
+        result["text"] = "".join(parts)
+        return result
+
+
+def pair_spec_from_dict(raw: dict[str, Any]) -> PairSpec:
+    raw = dict(raw)
+    tree = raw.pop("tree", None) or {}
+    return PairSpec(**raw, tree=TreeSettings(**tree))
+
+
+def request_from_dict(raw: dict[str, Any]) -> Request:
+    raw = dict(raw)
+    for key in ("prompt_ids", "stop"):
+        if raw.get(key) is not None:
+            raw[key] = tuple(raw[key])
+    if raw.get("messages") is not None:
+        raw["messages"] = tuple((m[0], m[1]) if isinstance(m, (list, tuple)) else (m["role"], m["content"]) for m in raw["messages"])
+    return Request(**raw)
+

@@ -1,0 +1,257 @@
+"""The Serve application for real: a private local Ray cluster, Ray Serve's HTTP proxy on 127.0.0.1, tiny chat
+pairs deployed by ``serve.app.build_app``; requests over HTTP with httpx and the official ``openai`` client.
+
+Covers: T=0 outputs equal plain decoding, streamed chunks concatenate to the non-streamed text, routing by
+``model``, 4xx bodies with the server alive, back-pressure (503 + Retry-After), autoscaling 1 -> 2 -> 1
+under a bounded load, a replica killed under load (every request answered or failed with an error body,
+none hangs), and the Prometheus metrics exported through Ray's metrics agent.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import json
+import threading
+import time
+import urllib.request
+
+import httpx
+import pytest
+
+from eagle.target import load_target
+from mlflow_server import free_port
+from serve_helpers import plain_text, tiny_chat_target_dir, tiny_head_dir
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from jobs.common import init_ray  # noqa: E402
+from serve.app import build_app, deployment_name  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+APP = "eagle"
+DEADLINE_S = 120.0
+
+
+def replica_states(model: str) -> dict[str, int]:
+    status = serve.status().applications[APP].deployments[deployment_name(model)]
+    return {str(getattr(state, "value", state)): count for state, count in status.replica_states.items()}
+
+
+def running(model: str) -> int:
+    return replica_states(model).get("RUNNING", 0)
+
+
+def wait_for(predicate, what: str, timeout: float = DEADLINE_S, every: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    """Deploy five tiny pairs behind the ingress; yield (base_url, metrics_port, targets)."""
+    root = tmp_path_factory.mktemp("serve")
+    dirs = {name: tiny_chat_target_dir(root / f"tiny-{name}", seed=seed) for name, seed in (("a", 0), ("b", 1))}
+    heads = {name: tiny_head_dir(path, root / f"head-{name}", seed=7) for name, path in dirs.items()}
+    common = {"dtype": "float32", "threads": 1, "num_cpus": 0.1, "max_tokens": 256, "watch_s": None}
+    fixed = {"min_replicas": 1, "max_replicas": 1}
+    pairs = [
+        {"model": "a", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "autoscaling": fixed},
+        {"model": "b", "target": str(dirs["b"]), "head": str(heads["b"]), **common, "autoscaling": fixed},
+        {"model": "a-plain", "target": str(dirs["a"]), "head": None, **common, "autoscaling": fixed},
+        {"model": "busy", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "autoscaling": fixed,
+         "max_ongoing_requests": 1, "max_queued_requests": 1},
+        {"model": "scale", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "max_ongoing_requests": 2,
+         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
+                         "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2}},
+    ]
+    metrics_port = free_port()
+    http_port = free_port()
+    init_ray(num_cpus=8, metrics_export_port=metrics_port)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    serve.run(build_app({"pairs": pairs, "retry_after_s": 2}), name=APP, route_prefix="/")
+    targets = {name: load_target(str(path), dtype="float32") for name, path in dirs.items()}
+    try:
+        yield f"http://127.0.0.1:{http_port}", metrics_port, targets
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def post(base: str, path: str, body, timeout: float = 60.0) -> httpx.Response:
+    return httpx.post(base + path, json=body, timeout=timeout)
+
+
+def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app):
+    import openai
+
+    base, _, targets = app
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for model, target_name in (("a", "a"), ("b", "b"), ("a-plain", "a")):
+        target = targets[target_name]
+        prompt = "The quick brown fox"
+        expected = plain_text(target, target.tokenizer.encode(prompt), 32)
+        completion = client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0)
+        assert completion.choices[0].text == expected, model
+        streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=32, temperature=0, stream=True) if chunk.choices)
+        assert streamed == expected, model
+
+    target = targets["b"]
+    messages = [{"role": "user", "content": "What is a tree?"}]
+    rendered = target.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expected = plain_text(target, target.tokenizer.encode(rendered, add_special_tokens=False), 40)
+    chat = client.chat.completions.create(model="b", messages=messages, max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == expected
+    assert chat.usage.completion_tokens <= 40
+    stream = client.chat.completions.create(model="b", messages=messages, max_tokens=40, temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    assert {m.id for m in client.models.list()} == {"a", "b", "a-plain", "busy", "scale"}
+
+
+def test_bad_input_is_4xx_with_an_error_body_and_the_server_stays_up(app):
+    base, _, _ = app
+    cases = [
+        (httpx.post(base + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}, timeout=30), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": "many"}), 400),
+        (post(base, "/v1/completions", {"model": "zzz", "prompt": "x"}), 404),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 0}), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 100000}), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "token " * 700, "max_tokens": 4}), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "token " * 700, "max_tokens": 4, "stream": True}), 400),
+        (post(base, "/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "temperature": -1}), 400),
+        (post(base, "/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "top_p": 2}), 400),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        assert response.json()["error"]["message"]
+    assert cases[5][0].json()["error"]["code"] == "context_length_exceeded"
+    health = httpx.get(base + "/health", timeout=30)
+    assert health.status_code == 200 and set(health.json()["models"].values()) == {"ok"}
+    assert post(base, "/v1/completions", {"model": "a", "prompt": "still here", "max_tokens": 4}).status_code == 200
+
+
+def test_backpressure_answers_503_with_retry_after_instead_of_queueing(app):
+    """busy: one request on its replica, one queued at the caller; the rest of a burst is refused at once."""
+    base, _, _ = app
+    body = {"model": "busy", "prompt": "Count:", "max_tokens": 200, "temperature": 0}
+    with futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: post(base, "/v1/completions", body, timeout=120), range(8)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(200) >= 1 and codes.count(503) >= 1, codes
+    for response in responses:
+        if response.status_code == 503:
+            assert response.headers["retry-after"] == "2"
+            assert response.json()["error"]["code"] == "overloaded"
+
+
+def bounded_load(base: str, model: str, *, workers: int, until, max_requests: int, timeout_s: float, stream: bool = False,
+                 answering: threading.Event | None = None, max_tokens: int = 160) -> list:
+    """``workers`` loopback clients send requests until ``until()`` is true, ``max_requests`` were sent or
+    ``timeout_s`` passed; returns (status, body) per request. Each request has its own client timeout.
+    ``answering`` is set once a response has started arriving."""
+    deadline = time.monotonic() + timeout_s
+    sent = 0
+    results: list = []
+
+    def one(i: int):
+        body = {"model": model, "prompt": f"Request {i}: once upon a time", "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+        try:
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+                if answering is not None and response.status_code == 200:
+                    answering.set()
+                raw = response.read().decode()
+            return response.status_code, raw
+        except httpx.TimeoutException:
+            return "timeout", ""
+
+    with futures.ThreadPoolExecutor(workers) as pool:
+        running_jobs = set()
+        while time.monotonic() < deadline and sent < max_requests and not until():
+            while len(running_jobs) < workers and sent < max_requests:
+                running_jobs.add(pool.submit(one, sent))
+                sent += 1
+            done, running_jobs = futures.wait(running_jobs, timeout=0.2, return_when=futures.FIRST_COMPLETED)
+            results.extend(f.result() for f in done)
+        results.extend(f.result() for f in running_jobs)
+    return results
+
+
+def test_autoscaling_goes_from_one_replica_to_two_and_back(app):
+    base, _, _ = app
+    assert running("scale") == 1
+    results = bounded_load(base, "scale", workers=6, until=lambda: running("scale") >= 2, max_requests=400, timeout_s=90)
+    assert running("scale") == 2, replica_states("scale")
+    assert all(status == 200 for status, _ in results), {s for s, _ in results}
+    wait_for(lambda: running("scale") == 1 and sum(replica_states("scale").values()) == 1, "scale-down to one replica")
+
+
+def test_metrics_are_exported_for_prometheus(app):
+    _, metrics_port, _ = app
+
+    def scrape() -> str | None:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return text if "eagle_generated_tokens" in text and "eagle_tau" in text else None
+
+    text = wait_for(scrape, "eagle_* metrics on the metrics agent", every=2.0)
+    for name in ("eagle_requests", "eagle_generated_tokens", "eagle_tau_bucket", "eagle_time_to_first_token_s_bucket", "eagle_request_latency_s_bucket"):
+        assert name in text, name
+    assert 'model="a"' in text
+
+
+def test_a_killed_replica_is_replaced_and_no_request_hangs(app):
+    """Kill pair a's only replica while streamed requests run on it: each request is answered (200) or fails
+    with an error body (5xx JSON, or an in-stream error event); none times out; Serve starts a new replica."""
+    base, _, targets = app
+    answering = threading.Event()
+    with futures.ThreadPoolExecutor(1) as runner:
+        load = runner.submit(bounded_load, base, "a", workers=4, until=lambda: False, max_requests=12, timeout_s=120,
+                             stream=True, answering=answering, max_tokens=48)
+        assert answering.wait(60), "no request got an answer"
+        actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment_name('a')}#" in a["name"]]
+        assert len(actors) == 1, actors
+        ray.kill(ray.get_actor(actors[0]["name"], namespace=actors[0]["namespace"]), no_restart=True)
+        results = load.result(timeout=180)
+    assert len(results) >= 4  # every request sent is in results, answered or not
+    assert all(status != "timeout" for status, _ in results), "a request hung"
+    failed = 0
+    for status, raw in results:
+        if status == 200:
+            events = [line[len("data: "):] for line in raw.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            payloads = [json.loads(e) for e in events[:-1]]
+            failed += any("error" in p for p in payloads)
+            assert all("error" in p or p["object"] == "text_completion" for p in payloads)
+        else:
+            failed += 1
+            assert status in (500, 503), status
+            assert json.loads(raw)["error"]["message"]
+    assert failed >= 1  # the kill was felt by the requests on that replica
+    wait_for(lambda: running("a") == 1, "a replacement replica")
+    target = targets["a"]
+    expected = plain_text(target, target.tokenizer.encode("after the kill"), 16)
+    response = post(base, "/v1/completions", {"model": "a", "prompt": "after the kill", "max_tokens": 16, "temperature": 0})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == expected
+
+
+def test_loadtest_level_records_every_request(app):
+    """serve.loadtest's measuring loop against the live app: every request answered, TTFT <= latency, tau."""
+    import asyncio
+
+    from serve.loadtest import run_level, table
+
+    base, _, _ = app
+    level = asyncio.run(run_level(base, "b", ["Hello there", "What is two plus two?", "Name a fruit."], concurrency=2, max_tokens=8, timeout_s=120))
+    assert level["requests"] == level["ok"] == 3 and level["errors"] == 0
+    assert all(0 < r["ttft_s"] <= r["latency_s"] and 1 <= r["tokens"] <= 8 for r in level["records"])
+    assert level["tau_mean"] >= 1.0 and level["tokens_per_s"] > 0
+    assert "| b | 2 | 3/3 |" in table([level])
