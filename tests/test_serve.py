@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as futures
 import json
+import os
 import threading
 import time
 import urllib.request
@@ -20,7 +21,7 @@ import pytest
 
 from eagle.target import load_target
 from mlflow_server import free_port
-from serve_helpers import plain_text, tiny_chat_target_dir, tiny_head_dir
+from serve_helpers import plain_text, register_head, tiny_chat_target_dir, tiny_head_dir
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
@@ -54,11 +55,19 @@ def wait_for(predicate, what: str, timeout: float = DEADLINE_S, every: float = 0
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory):
-    """Deploy five tiny pairs behind the ingress; yield (base_url, metrics_port, targets)."""
+def app(tmp_path_factory, mlflow_server):
+    """Deploy six tiny pairs behind the ingress; yield (base_url, metrics_port, targets, swap_context).
+
+    "swap" serves ``models:/tiny-a-eagle@production`` from the session's MLflow server and polls it every
+    second; its first version is registered before the deployment starts."""
     root = tmp_path_factory.mktemp("serve")
     dirs = {name: tiny_chat_target_dir(root / f"tiny-{name}", seed=seed) for name, seed in (("a", 0), ("b", 1))}
     heads = {name: tiny_head_dir(path, root / f"head-{name}", seed=7) for name, path in dirs.items()}
+    saved_env = {key: os.environ.get(key) for key in ("MLFLOW_TRACKING_URI", "EAGLE_CACHE_DIR")}
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server
+    os.environ["EAGLE_CACHE_DIR"] = str(root / "cache")
+    target_a = load_target(str(dirs["a"]), dtype="float32")
+    first_version = register_head(heads["a"], target_a)
     common = {"dtype": "float32", "threads": 1, "num_cpus": 0.1, "max_tokens": 256, "watch_s": None}
     fixed = {"min_replicas": 1, "max_replicas": 1}
     pairs = [
@@ -70,18 +79,26 @@ def app(tmp_path_factory):
         {"model": "scale", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "max_ongoing_requests": 2,
          "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1, "upscale_delay_s": 1,
                          "downscale_delay_s": 3, "metrics_interval_s": 0.5, "look_back_period_s": 2}},
+        {"model": "swap", "target": str(dirs["a"]), "head": "models:/tiny-a-eagle@production", **common, "watch_s": 1.0,
+         "autoscaling": fixed},
     ]
     metrics_port = free_port()
     http_port = free_port()
     init_ray(num_cpus=8, metrics_export_port=metrics_port)
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    serve.run(build_app({"pairs": pairs, "retry_after_s": 2}), name=APP, route_prefix="/")
+    serve.run(build_app({"pairs": pairs, "retry_after_s": 2, "tracking_uri": mlflow_server}), name=APP, route_prefix="/")
     targets = {name: load_target(str(path), dtype="float32") for name, path in dirs.items()}
+    swap = {"target": target_a, "target_dir": dirs["a"], "root": root, "first_version": first_version}
     try:
-        yield f"http://127.0.0.1:{http_port}", metrics_port, targets
+        yield f"http://127.0.0.1:{http_port}", metrics_port, targets, swap
     finally:
         serve.shutdown()
         ray.shutdown()
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def post(base: str, path: str, body, timeout: float = 60.0) -> httpx.Response:
@@ -91,7 +108,7 @@ def post(base: str, path: str, body, timeout: float = 60.0) -> httpx.Response:
 def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app):
     import openai
 
-    base, _, targets = app
+    base, _, targets, _ = app
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
     for model, target_name in (("a", "a"), ("b", "b"), ("a-plain", "a")):
         target = targets[target_name]
@@ -113,11 +130,11 @@ def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    assert {m.id for m in client.models.list()} == {"a", "b", "a-plain", "busy", "scale"}
+    assert {m.id for m in client.models.list()} == {"a", "b", "a-plain", "busy", "scale", "swap"}
 
 
 def test_bad_input_is_4xx_with_an_error_body_and_the_server_stays_up(app):
-    base, _, _ = app
+    base, _, _, _ = app
     cases = [
         (httpx.post(base + "/v1/completions", content=b"{oops", headers={"content-type": "application/json"}, timeout=30), 400),
         (post(base, "/v1/completions", {"model": "a", "prompt": "x", "max_tokens": "many"}), 400),
@@ -140,7 +157,7 @@ def test_bad_input_is_4xx_with_an_error_body_and_the_server_stays_up(app):
 
 def test_backpressure_answers_503_with_retry_after_instead_of_queueing(app):
     """busy: one request on its replica, one queued at the caller; the rest of a burst is refused at once."""
-    base, _, _ = app
+    base, _, _, _ = app
     body = {"model": "busy", "prompt": "Count:", "max_tokens": 200, "temperature": 0}
     with futures.ThreadPoolExecutor(8) as pool:
         responses = list(pool.map(lambda _: post(base, "/v1/completions", body, timeout=120), range(8)))
@@ -186,7 +203,7 @@ def bounded_load(base: str, model: str, *, workers: int, until, max_requests: in
 
 
 def test_autoscaling_goes_from_one_replica_to_two_and_back(app):
-    base, _, _ = app
+    base, _, _, _ = app
     assert running("scale") == 1
     results = bounded_load(base, "scale", workers=6, until=lambda: running("scale") >= 2, max_requests=400, timeout_s=90)
     assert running("scale") == 2, replica_states("scale")
@@ -195,7 +212,7 @@ def test_autoscaling_goes_from_one_replica_to_two_and_back(app):
 
 
 def test_metrics_are_exported_for_prometheus(app):
-    _, metrics_port, _ = app
+    _, metrics_port, _, _ = app
 
     def scrape() -> str | None:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
@@ -211,7 +228,7 @@ def test_metrics_are_exported_for_prometheus(app):
 def test_a_killed_replica_is_replaced_and_no_request_hangs(app):
     """Kill pair a's only replica while streamed requests run on it: each request is answered (200) or fails
     with an error body (5xx JSON, or an in-stream error event); none times out; Serve starts a new replica."""
-    base, _, targets = app
+    base, _, targets, _ = app
     answering = threading.Event()
     with futures.ThreadPoolExecutor(1) as runner:
         load = runner.submit(bounded_load, base, "a", workers=4, until=lambda: False, max_requests=12, timeout_s=120,
@@ -249,9 +266,44 @@ def test_loadtest_level_records_every_request(app):
 
     from serve.loadtest import run_level, table
 
-    base, _, _ = app
+    base, _, _, _ = app
     level = asyncio.run(run_level(base, "b", ["Hello there", "What is two plus two?", "Name a fruit."], concurrency=2, max_tokens=8, timeout_s=120))
     assert level["requests"] == level["ok"] == 3 and level["errors"] == 0
     assert all(0 < r["ttft_s"] <= r["latency_s"] and 1 <= r["tokens"] <= 8 for r in level["records"])
     assert level["tau_mean"] >= 1.0 and level["tokens_per_s"] > 0
     assert "| b | 2 | 3/3 |" in table([level])
+
+
+def test_moving_the_alias_swaps_the_head_without_dropping_a_streamed_request(app):
+    """Promote a new version while a streamed request runs on "swap": that request finishes on the old
+    version without an error, the replica reports the new version within the deadline, and new requests
+    are served by it (still equal to plain decoding); the replica never restarts."""
+    from eagle_platform import registry
+
+    base, _, _, swap = app
+    target = swap["target"]
+
+    def head_version() -> str | None:
+        models = httpx.get(base + "/v1/models", timeout=30).json()["data"]
+        return next(m["eagle"].get("head_version") for m in models if m["id"] == "swap")
+
+    assert head_version() == swap["first_version"]
+    replicas_before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#pair-swap#" in a["name"]}
+    body = {"model": "swap", "prompt": "A long story:", "max_tokens": 120, "temperature": 0, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=120) as response:
+        lines = response.iter_lines()
+        first_data = next(line for line in lines if line.startswith("data: "))
+        second = register_head(tiny_head_dir(swap["target_dir"], swap["root"] / "head-a-v2", seed=8), target, alias="candidate")
+        registry.promote(target.name, second, "production")
+        rest = [line for line in lines if line.startswith("data: ")]
+    events = [json.loads(line[6:]) for line in [first_data] + rest[:-1]]
+    assert rest[-1] == "data: [DONE]" and not any("error" in e for e in events)
+    assert events[-1]["eagle"]["head_version"] == swap["first_version"]
+    assert "".join(e["choices"][0]["text"] for e in events) == plain_text(target, target.tokenizer.encode("A long story:"), 120)
+
+    wait_for(lambda: head_version() == second, "the replica to load the promoted version", timeout=90)
+    after = post(base, "/v1/completions", {"model": "swap", "prompt": "A long story:", "max_tokens": 120, "temperature": 0}).json()
+    assert after["eagle"]["head_version"] == second
+    assert after["choices"][0]["text"] == "".join(e["choices"][0]["text"] for e in events)
+    replicas_after = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if "#pair-swap#" in a["name"]}
+    assert replicas_after == replicas_before
