@@ -49,11 +49,11 @@ test-fast: install
 serve: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/serve.sh
 
-# The load table of docs/benchmarks.md against a running `make serve` (concurrency 1, 4, 8 over 16 MT-bench
+# The load table of docs/benchmarks.md against a running `make serve` (concurrency 1, 4, 8 over 12 MT-bench
 # prompts, the EAGLE pair and the target alone).
 loadtest: install
-	$(PY) -m serve.loadtest --models smollm2-135m-eagle smollm2-135m --concurrency 1 4 8 --prompts 16 \
-		--max-tokens 128 --out docs/bench/loadtest.json --png docs/bench/loadtest.png
+	$(PY) -m serve.loadtest --models smollm2-135m-eagle smollm2-135m --concurrency 1 4 8 --prompts 12 \
+		--max-tokens 96 --out docs/bench/loadtest.json --png docs/bench/loadtest.png
 
 # The local stack (Ray head + MLflow server on 127.0.0.1; settings in infra/local/stack.sh). `stack-up` prints
 # the env to export (also written to .mlflow/stack.env); `stack-down` stops only what `stack-up` started.
