@@ -202,14 +202,21 @@ class StopStrings:
         return out
 
 
+def _registry_version(spec: str) -> tuple[str, str]:
+    """(registered model name, version) that a ``models:/<name>@<alias>`` or ``/<version>`` spec points at now."""
+    from eagle_platform import registry
+
+    name, alias, version = registry.parse_models_uri(spec)
+    return name, str(registry.head_version_info(name, alias, version=version)["version"])
+
+
 def _resolve_head_dir(spec: str) -> tuple[str, str | None]:
     """A head spec as (local directory, registry version or None)."""
     if spec.startswith("models:/"):
         from eagle_platform import registry
 
-        name, alias, version = registry.parse_models_uri(spec)
-        info = registry.head_version_info(name, alias, version=version)
-        return registry.resolve_head(f"models:/{name}/{info['version']}"), str(info["version"])
+        name, version = _registry_version(spec)
+        return registry.resolve_head(f"models:/{name}/{version}"), version
     from eagle.cli import resolve_head_spec
 
     return resolve_head_spec(spec), None
@@ -278,10 +285,7 @@ class PairServer:
         spec = self._head_spec
         if not spec or not spec.startswith("models:/"):
             return False
-        from eagle_platform import registry
-
-        name, alias, version = registry.parse_models_uri(spec)
-        current = str(registry.head_version_info(name, alias, version=version)["version"])
+        name, current = _registry_version(spec)
         if current == self._loaded.head_version:
             return False
         loaded = self._load(f"models:/{name}/{current}")
