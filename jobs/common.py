@@ -14,6 +14,8 @@ import sys
 from typing import Callable, Sequence
 
 from eagle.errors import EagleError
+from eagle.target import cache_root
+from eagle_platform.ray_token import ensure_token
 from eagle_platform.registry import RegistryError
 
 logger = logging.getLogger("jobs")
@@ -44,8 +46,7 @@ def job_parser(prog: str, description: str) -> JobParser:
 def default_storage() -> str:
     """``$EAGLE_CACHE_DIR/storage`` or ``~/.cache/eagle-platform/storage``: outside the repo, so
     ``ray job submit --working-dir .`` never uploads data."""
-    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
-    return os.path.join(root, "storage")
+    return str(cache_root() / "storage")
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -62,8 +63,7 @@ def setup_logging(verbose: bool = False) -> None:
 def torch_extensions_dir() -> str:
     """One persistent folder for DeepSpeed's JIT-built CPU ops (its shared-memory allreduce takes ~2 minutes
     to compile once; every later job and test reuses it)."""
-    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
-    return os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(root, "torch_extensions")
+    return os.environ.get("TORCH_EXTENSIONS_DIR") or str(cache_root() / "torch_extensions")
 
 
 def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = None) -> None:
@@ -86,6 +86,9 @@ def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = N
         return
     from ray._private.services import get_node_ip_address
 
+    # A new local instance runs in token mode; left to itself Ray would write a world-readable token to
+    # ~/.ray/auth_token on a machine that has none (eagle_platform.ray_token says why and where instead).
+    logger.info(ensure_token().describe())
     port = _free_port()
     address = f"{get_node_ip_address()}:{port}"
     env = {

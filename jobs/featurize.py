@@ -45,7 +45,7 @@ from torch import nn
 
 from eagle.errors import EagleError
 from jobs import layout
-from jobs.common import init_ray, job_parser, run_job, setup_logging
+from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
 from jobs.presets import Preset, get_preset
 from jobs.storage import Storage
 
@@ -340,10 +340,7 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     os.environ.update(config.get("env", {}))  # the driver's storage endpoint, caches (and local credentials)
-    if not os.environ.get("TORCH_EXTENSIONS_DIR"):  # DeepSpeed's CPU comm op compiles once, cached here
-        from eagle.target import cache_root
-
-        os.environ["TORCH_EXTENSIONS_DIR"] = str(cache_root() / "torch_extensions")
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())  # DeepSpeed's CPU comm op compiles once, cached here
     setup_logging(config.get("verbose", False))
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = _worker_threads()

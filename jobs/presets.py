@@ -124,6 +124,25 @@ class Preset:
         return replace(self, **updated)
 
 
+def smoke() -> Preset:
+    """SmolLM2-135M through every stage in a few minutes: the fresh-machine test's preset
+    (tests/test_fresh_machine.py runs ``make quickstart PRESET=smoke``). 64 conversations, 8 training steps,
+    2 MT-bench prompts x 16 tokens; the head it trains is not meant to be good, and nothing is promoted."""
+    return Preset(
+        name="smoke",
+        description="SmolLM2-135M, every stage at toy size (fresh-machine test), ~5 minutes on 2 CPU cores",
+        target="smollm2-135m",
+        dataset="sharegpt-smoke",
+        data=DataConfig(conversations=64, max_length=192, shard_records=32),
+        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=2048, dtype="bfloat16"),
+        train=TrainConfig(
+            workers=2, zero_stage=2, batch_tokens=2048, lr=2e-3, warmup_steps=2, epochs=1.0, max_steps=8,
+            checkpoint_every=4, log_every=2, metrics_depth=2,
+        ),
+        eval=EvalConfig(prompts=2, max_new_tokens=16, dtype="bfloat16", promote_tau=None),
+    )
+
+
 def quick() -> Preset:
     """SmolLM2-135M on this 2-core CPU in about 15 minutes end to end.
 
@@ -276,6 +295,7 @@ def a100_70b() -> Preset:
 
 
 PRESETS: dict[str, Callable[[], Preset]] = {
+    "smoke": smoke,
     "quick": quick,
     "cpu-long": cpu_long,
     "a100-7b": a100_7b,

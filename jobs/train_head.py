@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle.errors import EagleError
+from eagle.target import cache_root
 from jobs import layout
 from jobs.common import init_ray, job_parser, run_job
 from jobs.presets import Preset, TrainConfig, get_preset
@@ -54,8 +55,7 @@ EXPERIMENT = "eagle-heads"
 
 
 def default_results_dir() -> str:
-    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
-    return os.path.join(root, "ray_results")
+    return str(cache_root() / "ray_results")
 
 
 def deepspeed_config(train: TrainConfig) -> dict[str, Any]:

@@ -19,7 +19,16 @@ while [[ $# -gt 0 ]]; do
 done
 eval "$(infra/local/stack.sh env)"
 export RAY_AUTH_MODE=token
-PROMOTE_TAU="$(python -c "from jobs.presets import get_preset; t = get_preset('$PRESET').eval.promote_tau; print('' if t is None else t)")"
+# the preset name travels as an argument, never pasted into code; an unknown one fails here in one line
+PROMOTE_TAU="$(python -c '
+import sys
+from eagle.errors import EagleError
+from jobs.presets import get_preset
+try:
+    tau = get_preset(sys.argv[1]).eval.promote_tau
+except EagleError as err:
+    sys.exit(f"pipeline: error: {err}")
+print("" if tau is None else tau)' "$PRESET")"
 
 submit() {
     local started=$SECONDS

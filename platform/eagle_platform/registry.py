@@ -461,7 +461,8 @@ def head_version_info(name: str, alias: str | None = PRODUCTION, *, version: str
 
 
 def cache_dir() -> Path:
-    """``$EAGLE_CACHE_DIR/heads`` or ``~/.cache/eagle-platform/heads``."""
+    """``$EAGLE_CACHE_DIR/heads`` or ``~/.cache/eagle-platform/heads`` (the rule of ``eagle.target.cache_root``,
+    restated here because platform/ imports no torch)."""
     root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
     return Path(root) / "heads"
 
