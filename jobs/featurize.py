@@ -45,6 +45,7 @@ from torch import nn
 
 from eagle.errors import EagleError
 from jobs import layout
+from eagle.target import cache_root
 from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
 from jobs.presets import Preset, get_preset
 from jobs.storage import Storage
@@ -562,7 +563,8 @@ def _run_workers(config: dict, pending: list[tuple[str, str]], cfg, name: str, d
         train_loop_config={**config, "tasks": pending},
         scaling_config=ScalingConfig(**scaling),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
-        run_config=RunConfig(name=f"featurize-{name}-{dataset_name}-{uuid.uuid4().hex[:8]}"),
+        # Ray Train's bookkeeping beside train_head's, under the project cache (its default is ~/ray_results)
+        run_config=RunConfig(name=f"featurize-{name}-{dataset_name}-{uuid.uuid4().hex[:8]}", storage_path=str(cache_root() / "ray_results")),
     )
     started = time.perf_counter()
     result = trainer.fit()

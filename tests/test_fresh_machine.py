@@ -72,6 +72,7 @@ def test_make_quickstart_on_a_fresh_machine(tmp_path):
         assert (cache / "targets" / "smollm2-135m" / "eagle_target.json").is_file()
         assert (cache / "storage" / "smollm2-135m" / "sharegpt-smoke").is_dir()
         assert any((cache / "heads").iterdir())
+        assert sorted(p.name for p in home.iterdir() if p.name not in (".cache", ".config", ".ray")) == [], "state outside the known folders"
         for stage in ("jobs.prepare_data", "jobs.featurize", "jobs.train_head", "jobs.evaluate"):
             assert f"pipeline: {stage} took" in run.stderr, log
         assert run.stdout.strip().splitlines()[-1].strip(), "the generated text is empty"

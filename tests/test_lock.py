@@ -3,6 +3,7 @@ every requirement of pyproject.toml (dev extras included) satisfied by a pin (``
 
 from __future__ import annotations
 
+import sysconfig
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -29,7 +30,9 @@ def _pins() -> dict[str, str]:
 
 def test_every_installed_package_is_the_locked_version():
     pins = _pins()
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    # the environment's own site-packages only: Ray puts its vendored packages (colorama, ...) on sys.path
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions(path=site)}
     installed.pop("eagle-platform")
     unlocked = sorted(set(installed) - set(pins))
     assert not unlocked, f"installed but not in requirements.lock (run `make lock`): {unlocked}"
