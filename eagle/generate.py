@@ -20,11 +20,14 @@ from typing import Iterator, Sequence
 
 import torch
 
+from eagle.compile import CompileConfig
 from eagle.errors import EagleError
 from eagle.head import EagleHead
-from eagle.target import Target, compact_cache
-from eagle.tree import DraftTree, DynamicTree, TreeSpec, causal_mask, draft_tree, root_only
-from eagle.verify import SamplingConfig, greedy_verify, processed_probs, sample_token, sample_verify
+from eagle.model import KVCache
+from eagle.runtime import HeadRuntime, TargetRuntime, context_limit, head_runtime, step_inputs, target_runtime
+from eagle.target import Target
+from eagle.tree import AutoTree, DraftTree, DynamicTree, HybridTree, TreeSpec, causal_allowed, draft_tree, padded_mask, root_only
+from eagle.verify import ProcessedRows, SamplingConfig, greedy_verify, processed_probs, sample_token, sample_verify
 
 logger = logging.getLogger(__name__)
 
@@ -106,69 +109,136 @@ class GenerationResult:
 class _State:
     """Per-request mutable state: caches are owned by one request, never shared."""
 
-    target_cache: object
-    head_cache: object | None
+    target_cache: KVCache
+    head_cache: KVCache | None
     committed: int  # positions in the target cache (= head cache) that are final
     root: int  # last chosen token, not yet run through the target
     last_hidden: torch.Tensor | None  # head output at the root's position [hidden]
+    context: list[int] = field(default_factory=list)  # prompt + every token emitted, the root included
 
 
 class Decoder:
-    """EAGLE speculative decoding for one (target, head) pair; ``head=None`` is plain decoding."""
+    """EAGLE speculative decoding for one (target, head) pair; ``head=None`` is plain decoding.
 
-    def __init__(self, target: Target, head: EagleHead | None = None, tree: TreeSpec | None = None) -> None:
+    Every request owns preallocated KV caches (``eagle.model.KVCache``) for the target and the head, sized
+    for its prompt, its token budget and the tree's scratch slots. ``compile="on"`` runs the hot functions
+    compiled (``eagle.compile``; ``eaglectl`` and the Serve pairs default to it, paying the compile once per
+    process in ``warmup``); ``"off"``, the library default, runs the same functions eagerly.
+    """
+
+    def __init__(
+        self,
+        target: Target,
+        head: EagleHead | None = None,
+        tree: TreeSpec | None = None,
+        *,
+        compile: CompileConfig | str = "off",
+    ) -> None:
         self.target = target
         self.head = head
-        self.tree = tree or DEFAULT_TREE
+        self.compile = compile if isinstance(compile, CompileConfig) else CompileConfig(mode=compile)
+        self.tree_spec: TreeSpec = tree or DEFAULT_TREE
+        self.runtime: TargetRuntime = target_runtime(target, self.compile)
+        self.head_runtime: HeadRuntime | None = head_runtime(head, target, self.compile) if head is not None else None
+        self._tree: TreeSpec | None = None if isinstance(_base(self.tree_spec), AutoTree) else self.tree_spec
+        self.auto_report: dict | None = None  # what ``--tree auto`` measured and chose
+
+    # ---- the tree -----------------------------------------------------------------------------------
+
+    @property
+    def tree(self) -> TreeSpec:
+        """The tree in use: the given one, or for ``AutoTree`` the one measurement chose (resolved on first
+        use; ``warmup`` does it up front)."""
+        if self._tree is None:
+            from eagle.autotree import choose_tree
+
+            chosen, self.auto_report = choose_tree(self, _base(self.tree_spec))
+            self._tree = HybridTree(chosen, **_hybrid_settings(self.tree_spec)) if isinstance(self.tree_spec, HybridTree) else chosen
+        return self._tree
+
+    def _widths(self) -> dict[str, list[int]]:
+        """Every width a request can run each compiled function at."""
+        if self.head is None:
+            return {"verify": [1], "expand": [], "advance": []}
+        tree = self.tree
+        base = _base(tree)
+        verify = [1 + base.size]
+        deepest = base.depth
+        if isinstance(tree, HybridTree):
+            verify.append(1 + base.size + tree.branch_tokens)
+            deepest = max(deepest, tree.branch_tokens)
+        expand = [base.expand_width] if base.depth > 1 else []
+        return {"verify": verify, "expand": expand, "advance": [deepest + 1]}
+
+    def _scratch(self) -> int:
+        """Slots a step may write past the committed length (tree verification, drafting, the catch-up)."""
+        widths = self._widths()
+        drafting = self.tree.depth * max(widths["expand"], default=0)
+        return max(max(widths["verify"]), drafting, max(widths["advance"], default=0))
 
     # ---- phases -----------------------------------------------------------------------------------
 
-    def _choose(self, logits: torch.Tensor, sampling: SamplingConfig, generator) -> int:
+    def _choose(self, logits: torch.Tensor, greedy: torch.Tensor, sampling: SamplingConfig, generator) -> int:
         if sampling.greedy:
-            return int(logits.argmax())
+            return int(greedy)
         return sample_token(processed_probs(logits, sampling), generator)
 
     @torch.inference_mode()
-    def _prefill(self, prompt_ids: list[int], sampling: SamplingConfig, generator) -> _State:
+    def _prefill(self, prompt_ids: list[int], sampling: SamplingConfig, generator, capacity: int | None = None) -> _State:
         device = self.target.device
-        ids = torch.tensor([prompt_ids], device=device)  # [1, n]
-        cache = self.target.new_cache()
-        features = self.target.forward(ids, cache)  # [1, n, hidden]
-        root = self._choose(self.target.logits(features[0, -1]), sampling, generator)
-        state = _State(cache, None, len(prompt_ids), root, None)
-        if self.head is not None:
-            state.head_cache = self.head.new_cache()
-            next_tokens = torch.cat([ids[:, 1:], torch.tensor([[root]], device=device)], dim=1)  # x_{j+1}
-            positions = torch.arange(len(prompt_ids), device=device).unsqueeze(0)
-            hidden = self.head(features, next_tokens, state.head_cache, positions, causal_mask(len(prompt_ids), 0, features.dtype, device))
-            state.last_hidden = hidden[0, -1]
+        capacity = capacity or _round_up(len(prompt_ids) + 1 + self._scratch(), 64)
+        ids = torch.tensor(prompt_ids, device=device)  # [n]
+        cache = self.runtime.new_cache(capacity)
+        features = self.runtime.prefill(ids, cache)  # [n, hidden]
+        last = features[-1:]
+        logits = self.runtime.model.lm_head(last)
+        root = self._choose(logits[0].float(), self.runtime.model.greedy(last, logits)[0], sampling, generator)
+        state = _State(cache, None, len(prompt_ids), root, None, list(prompt_ids) + [root])
+        if self.head_runtime is not None:
+            state.head_cache = self.head_runtime.new_cache(capacity)
+            next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])  # x_{j+1}
+            state.last_hidden = self.head_runtime.prefill(features, next_tokens, state.head_cache)[-1]
         return state
 
     @torch.inference_mode()
     def _draft(self, state: _State) -> DraftTree:
-        if self.head is None:
-            return root_only(state.root, self.target.device)
-        return draft_tree(self.head, state.head_cache, state.last_hidden, state.root, state.committed, self.tree)
+        root = torch.tensor([state.root], device=self.target.device)
+        if self.head_runtime is None:
+            return root_only(root)
+        tree = self.tree
+        base = _base(tree)
+        expand = self.head_runtime.expand(base.expand_width) if base.depth > 1 else None
+        drafted = draft_tree(self.head_runtime.lean, expand, state.head_cache, state.last_hidden, root, state.committed, base)
+        if isinstance(tree, HybridTree):
+            from eagle.ngram import add_branch
+
+            drafted = add_branch(drafted, state.context, tree)
+        return drafted
 
     @torch.inference_mode()
     def _verify(self, state: _State, tree: DraftTree, sampling: SamplingConfig, generator) -> tuple[list[int], torch.Tensor, list[int]]:
-        """Target forward over root + tree; returns (kept tree nodes incl. root, their features, new tokens)."""
+        """Target forward over root + tree (padded to a compiled width); returns (kept tree nodes incl. root,
+        their features, new tokens)."""
         device = self.target.device
-        mask = tree.attention_mask(state.committed, self.target.dtype, device) if len(tree) > 1 else None
-        features = self.target.forward(
-            tree.tokens.unsqueeze(0), state.target_cache, tree.position_ids(state.committed), mask
-        )  # [1, N, hidden]
-        logits = self.target.logits(features[0])  # [N, V]
+        n, start = len(tree), state.committed
+        width = min(w for w in self._widths()["verify"] if w >= n)
+        ids = torch.zeros(width, dtype=torch.long, device=device)
+        ids[:n] = tree.tokens
+        positions = torch.full((width,), start, dtype=torch.long, device=device)
+        positions[:n] += tree.depths
+        slots = torch.arange(start, start + width, device=device)
+        mask = padded_mask(tree.ancestors, start, width)
+        features, logits, greedy = self.runtime.step(width)(ids[None], positions[None], slots, mask[None, None], state.target_cache.keys, state.target_cache.values)
         if sampling.greedy:
-            acceptance = greedy_verify(tree, logits)
+            acceptance = greedy_verify(tree, greedy[:n])
         else:
-            acceptance = sample_verify(tree, processed_probs(logits, sampling), generator)
+            acceptance = sample_verify(tree, ProcessedRows(logits, sampling), generator)
         keep = [0] + acceptance.path
-        if len(tree) > 1:
-            compact_cache(state.target_cache, state.committed, torch.tensor(keep, device=device) + state.committed)
-        tokens = tree.tokens.tolist()
-        new_tokens = [tokens[n] for n in acceptance.path] + [acceptance.bonus_token]
-        return keep, features[0, keep], new_tokens
+        if acceptance.path:
+            state.target_cache.compact(start, torch.tensor(keep, device=device) + start)
+        tokens = tree.host[0]
+        new_tokens = [tokens[node] for node in acceptance.path] + [acceptance.bonus_token]
+        return keep, features[keep], new_tokens
 
     @torch.inference_mode()
     def _advance_head(self, state: _State, start: int, kept_features: torch.Tensor, new_tokens: list[int]) -> None:
@@ -176,15 +246,43 @@ class Decoder:
         token after each: (f(root), a_1), (f(a_1), a_2), ..., (f(a_k), bonus)."""
         device = self.target.device
         q = len(new_tokens)
-        positions = torch.arange(start, start + q, device=device).unsqueeze(0)
-        hidden = self.head(
-            kept_features.unsqueeze(0),
-            torch.tensor([new_tokens], device=device),
-            state.head_cache,
-            positions,
-            causal_mask(q, start, kept_features.dtype, device),
-        )
-        state.last_hidden = hidden[0, -1]
+        width = self._widths()["advance"][0]
+        features = torch.zeros(width, kept_features.shape[-1], dtype=kept_features.dtype, device=device)
+        features[:q] = kept_features
+        tokens = torch.zeros(width, dtype=torch.long, device=device)
+        tokens[:q] = torch.tensor(new_tokens, device=device)
+        positions = torch.full((width,), start, dtype=torch.long, device=device)
+        positions[:q] = torch.arange(start, start + q, device=device)
+        slots = torch.arange(start, start + width, device=device)
+        ancestry = torch.eye(width, dtype=torch.bool, device=device)
+        ancestry[:q, :q] = causal_allowed(q, 0, device)
+        mask = padded_mask(ancestry, start, width)
+        hidden = self.head_runtime.advance(width)(features[None], tokens[None], positions[None], slots, mask[None, None], state.head_cache.keys, state.head_cache.values)
+        state.last_hidden = hidden[0, q - 1]
+
+    @torch.inference_mode()
+    def warmup(self) -> dict[str, float]:
+        """Resolve an auto tree, then run every function a request can reach once at each of its widths
+        (compiling it under ``compile="on"``); returns the compile seconds per function."""
+        tree = self.tree if self.head is not None else None
+        device, prefix, widths = self.target.device, 4, self._widths()
+        cache = self.runtime.new_cache(_round_up(prefix + self._scratch() + 1, 64))
+        for width in widths["verify"]:
+            self.runtime.step(width)(*step_inputs(width, prefix, device), cache.keys, cache.values)
+        seconds = dict(self.runtime.compile_seconds())
+        if self.head_runtime is not None and tree is not None:
+            head_cache = self.head_runtime.new_cache(cache.capacity)
+            dtype = self.runtime.model.lm_head.weight.dtype
+            for width in widths["expand"] + widths["advance"]:
+                ids, positions, slots, mask = step_inputs(width, prefix, device)
+                features = torch.zeros(1, width, self.target.hidden_size, dtype=dtype, device=device)
+                args = (features, ids, positions, slots, mask, head_cache.keys, head_cache.values)
+                if width in widths["expand"]:
+                    self.head_runtime.expand(width)(*args, _base(tree).top_k)
+                if width in widths["advance"]:
+                    self.head_runtime.advance(width)(*args)
+            seconds.update(self.head_runtime.compile_seconds())
+        return seconds
 
     # ---- public API -------------------------------------------------------------------------------
 
@@ -203,7 +301,8 @@ class Decoder:
         stop_ids = self._stop_ids(config)
         text = _TextDelta(self.target)
 
-        state = self._prefill(prompt_ids, config.sampling, generator)
+        capacity = _round_up(len(prompt_ids) + config.max_new_tokens + self._scratch() + 1, 64)
+        state = self._prefill(prompt_ids, config.sampling, generator, capacity)
         emitted = [state.root]
         yield StepOutput([state.root], text.push([state.root]), None)
         if state.root in stop_ids:
@@ -217,11 +316,12 @@ class Decoder:
             start = state.committed
             state.committed += len(keep)
             state.root = new_tokens[-1]
+            state.context.extend(new_tokens)
             out = _truncate(new_tokens, config.max_new_tokens - len(emitted), stop_ids)
             emitted.extend(out)
             done = len(out) < len(new_tokens) or len(emitted) >= config.max_new_tokens or out[-1] in stop_ids
             head_s = 0.0
-            if self.head is not None and not done:
+            if self.head_runtime is not None and not done:
                 self._advance_head(state, start, kept_features, new_tokens)
                 head_s = time.perf_counter() - verified
             stats = StepStats(len(new_tokens) - 1, len(tree) - 1, drafted - started + head_s, verified - drafted)
@@ -254,6 +354,10 @@ class Decoder:
     def _stop_ids(self, config: GenerationConfig) -> set[int]:
         return set(self.target.eos_token_ids if config.stop_token_ids is None else config.stop_token_ids)
 
+    @property
+    def context_window(self) -> int:
+        return context_limit(self.target)
+
     def _check_request(self, prompt_ids: list[int], config: GenerationConfig) -> None:
         if not prompt_ids:
             raise EagleError("the prompt is empty")
@@ -261,11 +365,23 @@ class Decoder:
             raise EagleError(f"prompt token ids must lie in [0, {self.target.vocab_size})")
         tree_size = self.tree.size if self.head is not None else 0
         needed = len(prompt_ids) + config.max_new_tokens + tree_size + 1
-        if needed > self.target.max_positions:
+        if needed > self.context_window:
             raise EagleError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the target's "
-                f"context window of {self.target.max_positions} tokens"
+                f"context window of {self.context_window} tokens"
             )
+
+
+def _base(tree: TreeSpec) -> TreeSpec:
+    return tree.base if isinstance(tree, HybridTree) else tree
+
+
+def _hybrid_settings(tree: HybridTree) -> dict:
+    return {"branch_tokens": tree.branch_tokens, "max_ngram": tree.max_ngram, "min_ngram": tree.min_ngram}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> list[int]:
@@ -277,19 +393,24 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> list[int]:
 
 
 class _TextDelta:
-    """Incremental detokenisation: yields only complete characters (holds back a trailing U+FFFD)."""
+    """Incremental detokenisation (as vLLM's ``detokenize_incrementally``): each push decodes only a short
+    window — the tokens since the last emitted boundary plus the new ones — instead of the whole output, and
+    holds text back while it ends in an incomplete character (U+FFFD). Decoding from the previous boundary
+    (not from the new tokens alone) keeps tokenizer context such as a leading space's merge right."""
 
     def __init__(self, target: Target) -> None:
         self.target = target
         self.ids: list[int] = []
-        self.sent = ""
+        self.prefix = 0  # window start: text of ids[prefix:read] has been emitted
+        self.read = 0
 
     def push(self, ids: list[int]) -> str:
         if self.target.tokenizer is None:
             return ""
         self.ids.extend(ids)
-        text = self.target.decode(self.ids)
-        if text.endswith("\ufffd"):
+        before = self.target.decode(self.ids[self.prefix : self.read])
+        text = self.target.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):
             return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]

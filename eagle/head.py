@@ -18,6 +18,10 @@ exported to vLLM / SGLang.
 Deviation from the EAGLE-1 reference (``cnets.py``): the reference skips the first layer's input
 RMSNorm; we keep the target's decoder layer unchanged (as vLLM's ``llama_eagle.py`` builds it).
 
+``LeanHead`` is the same head on the decoder's fast path: its layer is ``eagle.model.LeanLayer`` over the
+transformers layer's own weights, with a preallocated ``KVCache``; ``expand`` is one draft step (head
+forward, draft LM head, log-softmax, top-k, draft -> target ids), the function the decoder compiles.
+
 Does not own: drafting (``tree.py``) or training (``loss.py``).
 """
 
@@ -34,6 +38,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle.errors import EagleError, HeadMismatchError
+from eagle.model import AttentionShape, KVCache, LeanLayer, rope_tables
 from eagle.target import adapter_for
 
 if TYPE_CHECKING:
@@ -230,12 +235,67 @@ class EagleHead(nn.Module):
         if config.format != HEAD_FORMAT:
             raise EagleError(f"{config_path}: unsupported head format {config.format!r} (expected {HEAD_FORMAT!r})")
         check_compatible(config, target)
+        check_revision(str(directory), config.target_revision, target)
         head = cls(config)
         state = load_file(str(weights_path))
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise EagleError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
         return head.to(device=target.device, dtype=target.dtype).attach(target)
+
+
+class LeanHead(nn.Module):
+    """An attached ``EagleHead`` on the fast path: ``forward`` equals ``EagleHead.forward`` over a ``KVCache``
+    written at explicit slots, and ``expand`` adds the draft distribution's top-k."""
+
+    def __init__(self, head: EagleHead, max_positions: int) -> None:
+        super().__init__()
+        if "embed" not in head._borrowed:
+            raise EagleError("head is not attached to a target: call head.attach(target)")
+        config = head.config.transformers_config()
+        self.head = head
+        self.fc = head.fc
+        self.layers = nn.ModuleList(LeanLayer(layer, config) for layer in head.layers)
+        self.embed = head._borrowed["embed"]
+        self.shape = AttentionShape.of(config)
+        weight = head.fc.weight
+        cos, sin = rope_tables(head.rotary_emb, config, max_positions, weight.dtype, weight.device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        weight = self.fc.weight
+        return KVCache(len(self.layers), self.shape, capacity, weight.dtype, weight.device)
+
+    def forward(
+        self,
+        features: torch.Tensor,  # [1, q, hidden]: f_j (the target's, or the head's own prediction)
+        next_tokens: torch.Tensor,  # [1, q]: x_{j+1}
+        positions: torch.Tensor,  # [1, q]
+        slots: torch.Tensor,  # [q]
+        mask: torch.Tensor,  # [1, 1, q, kv] bool
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Predicted next features ``[1, q, hidden]``."""
+        embeds = self.embed(next_tokens).to(features.dtype)
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+            hidden = layer(hidden, cos, sin, slots, mask, layer_keys, layer_values)
+        return hidden
+
+    def propose(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best next tokens under the head's draft distribution for predicted features
+        ``[q, hidden]``: (log-probabilities ``[q, k]`` float32, target ids ``[q, k]``), best first."""
+        top = torch.log_softmax(self.head.draft_logits(hidden), dim=-1).topk(k, dim=-1)
+        return top.values, self.head.draft_to_target(top.indices)
+
+    def expand(self, features, next_tokens, positions, slots, mask, keys, values, k: int):
+        """One draft step: (predicted features ``[q, hidden]``, their ``k`` best children's log-probabilities
+        and target ids ``[q, k]``)."""
+        hidden = self.forward(features, next_tokens, positions, slots, mask, keys, values)[0]
+        return (hidden, *self.propose(hidden, k))
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:
@@ -253,6 +313,22 @@ def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: Iterable[in
     score[forced] = float("inf")
     ranked = torch.argsort(-score, stable=True)  # by count; ties go to the smaller id
     return torch.sort(ranked[:size]).values
+
+
+UNKNOWN_REVISION = "unknown"
+
+
+def check_revision(head: str, trained_revision: str | None, target: "Target | tuple[str, str]") -> None:
+    """The one rule for "was this head trained for this target": a head records the revision of the target
+    it was trained on (``HeadConfig.target_revision``, the registry's ``target_revision`` tag), and runs
+    only on a target of that revision. A head that records none (``None`` or ``"unknown"``: an untrained
+    head, one made before the field existed) is not refused. Names are not compared: the revision is the
+    content (a local copy of the same weights under another name fits). ``target`` is a ``Target`` or
+    its (name, revision). Raises ``HeadMismatchError``."""
+    name, revision = (target.name, target.revision) if not isinstance(target, tuple) else target
+    if trained_revision in (None, "", UNKNOWN_REVISION) or trained_revision == revision:
+        return
+    raise HeadMismatchError(f"head {head} was trained for target revision {trained_revision}, not {name} revision {revision}")
 
 
 def check_compatible(config: HeadConfig, target: "Target") -> None:

@@ -2,9 +2,10 @@
 
 Owns: resolving a target spec (the built-in ``smollm2-135m`` or a local Hugging Face directory) into a
 frozen causal LM plus tokenizer; the architecture adapter registry (which decoder-layer and rotary classes
-an EAGLE head is built from); one forward that returns the *feature* (the hidden state after the final
-norm, i.e. what feeds the LM head — EAGLE, arXiv 2401.15077, section 3) with an optional tree mask; and
-KV-cache compaction after verification.
+an EAGLE head is built from); transformers' own forward that returns the *feature* (the hidden state after
+the final norm, i.e. what feeds the LM head — EAGLE, arXiv 2401.15077, section 3) with an optional tree
+mask, used by training, feature jobs and as the reference the decoder's lean forward (``model.py``) is
+tested against.
 
 Does not own: drafting, verification or sampling (``tree.py``, ``verify.py``, ``generate.py``), nor any
 notion of distributed execution.
@@ -177,7 +178,7 @@ class Target:
     # ---- forward -----------------------------------------------------------------------------------
 
     def new_cache(self):
-        """A per-request cache of plain (full-attention) layers; ``compact_cache`` edits them in place."""
+        """A transformers ``DynamicCache`` for ``forward`` (the decoder itself uses ``eagle.model.KVCache``)."""
         from transformers import DynamicCache
 
         return DynamicCache()
@@ -204,40 +205,6 @@ class Target:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """LM-head logits in float32 for features ``[..., hidden]``."""
         return self.lm_head(features).float()
-
-
-# --------------------------------------------------------------------------------------------------
-# KV cache helpers
-# --------------------------------------------------------------------------------------------------
-
-
-def cache_length(cache) -> int:
-    return int(cache.get_seq_length())
-
-
-def compact_cache(cache, keep_prefix: int, extra: torch.Tensor) -> None:
-    """Keep cache positions ``[0, keep_prefix)`` then ``extra`` (absolute indices, ascending).
-
-    After a verification forward, the cache holds the committed prefix followed by every tree node; this
-    keeps the prefix and the accepted path, in order, so the next step continues without recomputing the
-    accepted tokens (EAGLE-2's ``tree_decoding`` + KV update, arXiv 2406.16858).
-    """
-    for layer in cache.layers:
-        if getattr(layer, "is_sliding", False):
-            raise EagleError("sliding-window KV caches are not supported by tree verification")
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        tail_keys = layer.keys.index_select(-2, extra)
-        tail_values = layer.values.index_select(-2, extra)
-        layer.keys = torch.cat([layer.keys[..., :keep_prefix, :], tail_keys], dim=-2)
-        layer.values = torch.cat([layer.values[..., :keep_prefix, :], tail_values], dim=-2)
-
-
-def crop_cache(cache, length: int) -> None:
-    """Drop every cache position at index ``length`` and beyond."""
-    excess = cache_length(cache) - length
-    if excess > 0:
-        cache.crop(-excess)
 
 
 # --------------------------------------------------------------------------------------------------

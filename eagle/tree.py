@@ -1,8 +1,9 @@
-"""Draft trees: their shape, their attention mask and positions, and how the head drafts them.
+"""Draft trees: their shape, their masks and positions, how the head drafts them, and the tree factory.
 
 Owns: ``DraftTree`` (node 0 is the root — the last token the target already chose, whose KV entry the
-target has not computed yet; every other node is a draft token), the tree attention mask and position
-ids shared by the head and the target, and two drafting policies:
+target has not computed yet; every other node is a draft token), the tree attention mask and position ids
+shared by the head and the target, the tree policies, and ``build_tree`` (the one place that turns
+settings — CLI flags, a Serve config, a preset — into a policy):
 
 * ``StaticTree`` — EAGLE-1's fixed tree (Li et al., arXiv 2401.15077, section 4.2), given as paths of
   child *ranks*: ``(0, 1)`` is "the 2nd most likely child of the most likely depth-1 token". The default
@@ -11,22 +12,30 @@ ids shared by the head and the target, and two drafting policies:
   ``top_k`` nodes with the highest cumulative draft log-probability, each proposing its ``top_k`` best
   children; after ``depth`` levels rerank every drafted node by cumulative log-probability and keep the
   ``total_tokens`` best (a child never outranks its parent, so the kept set is a tree).
+* ``AutoTree`` — a ``DynamicTree`` whose depth / top-k / size the decoder picks at start-up from measured
+  costs and acceptance (EAGLE-2's ``total_token=-1``; ``eagle.autotree``).
+* ``HybridTree`` — any of the above plus a branch proposed by n-gram matching (``eagle.ngram``).
+
+Drafting is vectorised (``draft_tree``): per depth, one head call over a fixed number of rows, then tensor
+ops choose the next rows, build their attention masks and rerank; nothing reads a tensor back to the host
+until the finished tree is verified.
 
 Does not own: accepting tokens (``verify.py``) or the decode loop (``generate.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
 from eagle.errors import EagleError
-from eagle.target import crop_cache
 
 if TYPE_CHECKING:
-    from eagle.head import EagleHead
+    from eagle.head import LeanHead
+    from eagle.model import KVCache
 
 # EAGLE-1's default static tree (``mc_sim_7b_63`` in the reference repo): paths of child ranks.
 MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
@@ -36,6 +45,8 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
     (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2),
     (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
 )  # fmt: skip
+
+_DEPTH_TIE_BREAK = 1e-9  # rerank key = score - this * depth: a child (score <= its parent's) never ties its parent
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,16 @@ class StaticTree:
     def size(self) -> int:
         return len(self.paths)
 
+    @property
+    def top_k(self) -> int:
+        """Children proposed per node: one more than the largest rank."""
+        return 1 + max(r for p in self.paths for r in p)
+
+    @property
+    def expand_width(self) -> int:
+        """Rows per draft step: the most nodes of one depth that have children."""
+        return max(sum(1 for p in self.paths if len(p) == d and self.child_ranks(p)) for d in range(1, self.depth + 1)) or 1
+
     def child_ranks(self, path: tuple[int, ...]) -> list[int]:
         return sorted(p[-1] for p in self.paths if len(p) == len(path) + 1 and p[:-1] == path)
 
@@ -81,52 +102,156 @@ class DynamicTree:
     def __post_init__(self) -> None:
         if self.depth < 1 or self.top_k < 1 or self.total_tokens < 1:
             raise EagleError("dynamic tree needs depth, top_k and total_tokens >= 1")
+        if self.total_tokens > self.top_k + (self.depth - 1) * self.top_k**2:
+            raise EagleError(
+                f"dynamic tree of depth {self.depth} and top-k {self.top_k} drafts at most "
+                f"{self.top_k + (self.depth - 1) * self.top_k ** 2} tokens, fewer than total_tokens={self.total_tokens}"
+            )
 
     @property
     def size(self) -> int:
         return self.total_tokens
 
+    @property
+    def expand_width(self) -> int:
+        return self.top_k
 
-TreeSpec = Union[StaticTree, DynamicTree]
+
+@dataclass(frozen=True)
+class AutoTree:
+    """A ``DynamicTree`` chosen at start-up by measurement (``eagle.autotree.choose_tree``) within these
+    bounds; ``Decoder`` replaces it by the chosen tree before the first request."""
+
+    max_depth: int = 6
+    top_ks: tuple[int, ...] = (2, 3, 4)
+    sizes: tuple[int, ...] = (7, 15, 23, 31)  # verification widths 8, 16, 24, 32: one compiled graph each
+
+    def __post_init__(self) -> None:
+        if self.max_depth < 1 or not self.top_ks or not self.sizes or min(self.top_ks) < 1 or min(self.sizes) < 1:
+            raise EagleError("auto tree needs max_depth >= 1 and non-empty top_ks / sizes >= 1")
+
+    @property
+    def depth(self) -> int:
+        return self.max_depth
+
+    @property
+    def size(self) -> int:
+        return max(self.sizes)
 
 
-@dataclass
+@dataclass(frozen=True)
+class HybridTree:
+    """``base`` plus one branch below the root copied from the context (prompt and output so far) after the
+    longest earlier match of its last ``max_ngram`` .. ``min_ngram`` tokens (prompt lookup, Saxena 2023),
+    verified in the same forward (``eagle.ngram``). ``branch_tokens`` bounds the branch's length."""
+
+    base: Union[StaticTree, DynamicTree, AutoTree] = field(default_factory=DynamicTree)
+    branch_tokens: int = 8
+    max_ngram: int = 3
+    min_ngram: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.base, HybridTree):
+            raise EagleError("a hybrid tree's base cannot itself be hybrid")
+        if self.branch_tokens < 1 or not 1 <= self.min_ngram <= self.max_ngram:
+            raise EagleError("hybrid tree needs branch_tokens >= 1 and 1 <= min_ngram <= max_ngram")
+
+    @property
+    def depth(self) -> int:
+        return max(self.base.depth, self.branch_tokens)
+
+    @property
+    def size(self) -> int:
+        return self.base.size + self.branch_tokens
+
+
+TreeSpec = Union[StaticTree, DynamicTree, AutoTree, HybridTree]
+TREE_KINDS = ("dynamic", "static", "auto", "hybrid")
+
+
+def build_tree(
+    kind: str = "dynamic",
+    *,
+    depth: int | None = None,
+    top_k: int | None = None,
+    total_tokens: int | None = None,
+    branch_tokens: int | None = None,
+) -> TreeSpec:
+    """The tree policy for settings that may be None (= the default): every caller (``eaglectl``, the Serve
+    pairs, ``jobs.evaluate``) goes through here. ``hybrid`` adds an n-gram branch to the dynamic tree;
+    ``static`` and ``auto`` take no size settings."""
+    if kind not in TREE_KINDS:
+        raise EagleError(f"unknown tree {kind!r}: expected one of {', '.join(TREE_KINDS)}")
+    sized = depth is not None or top_k is not None or total_tokens is not None
+    if kind in ("static", "auto"):
+        if sized:
+            raise EagleError(f"the {kind} tree takes no depth / top-k / total-tokens settings")
+        base: TreeSpec = StaticTree() if kind == "static" else AutoTree()
+    else:
+        default = DynamicTree()
+        base = DynamicTree(depth=depth or default.depth, top_k=top_k or default.top_k, total_tokens=total_tokens or default.total_tokens)
+    if kind == "hybrid":
+        return HybridTree(base, branch_tokens=branch_tokens or HybridTree().branch_tokens)
+    if branch_tokens is not None:
+        raise EagleError("branch tokens apply to the hybrid tree only")
+    return base
+
+
+# --------------------------------------------------------------------------------------------------
+# A drafted tree
+# --------------------------------------------------------------------------------------------------
+
+
 class DraftTree:
-    """A drafted tree. Node 0 is the root; ``parents[i] < i`` for every other node.
+    """A drafted tree. Node 0 is the root; ``parents[i] < i`` for every other node, nodes are ordered by
+    depth, and siblings in rank order (most likely first), which the sampling verifier relies on.
 
-    Children are stored in rank order (most likely first), which the sampling verifier relies on.
+    ``tokens``, ``parents``, ``depths`` are tensors on the decoder's device; ``scores`` (when drafted) the
+    cumulative draft log-probability of each node (the root's 0); ``ancestors`` is the ``[N, N]``
+    self-inclusive ancestry (row i: node i and its ancestors); ``children`` and ``path_to`` are host views
+    computed on first use. A hybrid tree's n-gram branch follows the head's nodes (``eagle.ngram``).
     """
 
-    tokens: torch.Tensor  # [N] target token ids
-    parents: list[int]  # [N], parents[0] == -1
-    depths: torch.Tensor  # [N] long, depths[0] == 0
+    def __init__(
+        self, tokens: torch.Tensor, parents: torch.Tensor | Sequence[int], depths: torch.Tensor | Sequence[int],
+        ancestors: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.parents = torch.as_tensor(parents, dtype=torch.long, device=tokens.device)
+        self.depths = torch.as_tensor(depths, dtype=torch.long, device=tokens.device)
+        self._ancestors = ancestors
+        self.scores = scores
 
     def __len__(self) -> int:
-        return len(self.parents)
+        return self.tokens.numel()
+
+    @property
+    def ancestors(self) -> torch.Tensor:
+        if self._ancestors is None:
+            self._ancestors = ancestry(self.parents, self.depths)
+        return self._ancestors
+
+    @cached_property
+    def host(self) -> tuple[list[int], list[int]]:
+        """(tokens, parents) as lists: one transfer for every host-side walk of this tree."""
+        return self.tokens.tolist(), self.parents.tolist()
 
     @property
     def children(self) -> list[list[int]]:
-        kids: list[list[int]] = [[] for _ in self.parents]
-        for node, parent in enumerate(self.parents[1:], start=1):
+        parents = self.host[1]
+        kids: list[list[int]] = [[] for _ in parents]
+        for node, parent in enumerate(parents[1:], start=1):
             kids[parent].append(node)
         return kids
 
-    def ancestor_matrix(self) -> torch.Tensor:
-        """``[N, N]`` bool: entry (i, j) is True iff node j is node i or one of its ancestors."""
-        n = len(self.parents)
-        matrix = torch.zeros(n, n, dtype=torch.bool)
-        for node, parent in enumerate(self.parents):
-            if parent >= 0:
-                matrix[node] = matrix[parent]
-            matrix[node, node] = True
-        return matrix
+    def allowed(self, prefix_len: int) -> torch.Tensor:
+        """Bool ``[N, prefix_len + N]``: every node sees the prefix and its own ancestry."""
+        prefix = torch.ones(len(self), prefix_len, dtype=torch.bool, device=self.tokens.device)
+        return torch.cat([prefix, self.ancestors], dim=1)
 
     def attention_mask(self, prefix_len: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        """Additive mask ``[1, 1, N, prefix_len + N]``: every node sees the prefix and its own ancestry."""
-        allowed = torch.cat(
-            [torch.ones(len(self), prefix_len, dtype=torch.bool), self.ancestor_matrix()], dim=1
-        ).to(device)
-        return additive_mask(allowed, dtype)
+        """Additive mask ``[1, 1, N, prefix_len + N]`` (for transformers' forward)."""
+        return additive_mask(self.allowed(prefix_len).to(device), dtype)
 
     def position_ids(self, start: int) -> torch.Tensor:
         """``[1, N]``: the root sits at ``start``, a node at depth d at ``start + d``."""
@@ -134,16 +259,45 @@ class DraftTree:
 
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's first child down to ``node`` (root excluded)."""
+        parents = self.host[1]
         path = []
         while node > 0:
             path.append(node)
-            node = self.parents[node]
+            node = parents[node]
         return path[::-1]
+
+
+def ancestry(parents: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """``[N, N]`` bool, entry (i, j) True iff j is i or an ancestor of i; one vectorised pass per depth."""
+    n = parents.numel()
+    matrix = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for depth in range(1, int(depths.max()) + 1 if n > 1 else 1):
+        rows = (depths == depth).nonzero().squeeze(-1)
+        matrix[rows] |= matrix[parents[rows]]
+    return matrix
 
 
 def causal_mask(q: int, past: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """Additive ``[1, 1, q, past + q]`` causal mask for ``q`` new positions after ``past`` cached ones."""
-    return additive_mask(torch.ones(q, past + q, dtype=torch.bool, device=device).tril(diagonal=past), dtype)
+    return additive_mask(causal_allowed(q, past, device), dtype)
+
+
+def causal_allowed(q: int, past: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool ``[q, past + q]``: row i sees the ``past`` cached positions and new positions 0..i."""
+    return torch.ones(q, past + q, dtype=torch.bool, device=device).tril(diagonal=past)
+
+
+def padded_mask(ancestry: torch.Tensor, prefix_len: int, width: int) -> torch.Tensor:
+    """Bool ``[width, prefix_len + width]``: rows of ``ancestry`` (``[n, n]``, n <= width) see the prefix and
+    their ancestry; padding rows see only their own slot (never a real row's, and nobody sees theirs)."""
+    n = ancestry.shape[0]
+    device = ancestry.device
+    mask = torch.zeros(width, prefix_len + width, dtype=torch.bool, device=device)
+    mask[:n, :prefix_len] = True
+    mask[:n, prefix_len : prefix_len + n] = ancestry
+    pad = torch.arange(n, width, device=device)
+    mask[pad, prefix_len + pad] = True
+    return mask
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -153,117 +307,128 @@ def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return mask[None, None]
 
 
+def root_only(root: torch.Tensor) -> DraftTree:
+    """The empty draft (``root``: a 1-element long tensor): plain decoding verifies just the root."""
+    zero = torch.zeros(1, dtype=torch.long, device=root.device)
+    return DraftTree(root, torch.full_like(zero, -1), zero, torch.ones(1, 1, dtype=torch.bool, device=root.device))
+
+
+# --------------------------------------------------------------------------------------------------
+# Drafting
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Level:
+    """How the children of one depth are formed from the rows expanded at the depth before:
+    ``(row, rank)`` pairs, row indexing the expanded rows, rank the child's rank among its row's proposals."""
+
+    rows: torch.Tensor  # [n]
+    ranks: torch.Tensor  # [n]
+
+
+def _static_plan(spec: StaticTree, device) -> tuple[list[_Level], list[torch.Tensor]]:
+    """For a static tree: the children of each depth as (expanded row, rank) pairs, and which of them are
+    expanded next (indices into that depth's children)."""
+    levels, expand = [], []
+    expanded: list[tuple[int, ...]] = [()]
+    for depth in range(1, spec.depth + 1):
+        children = [(row, rank) for row, path in enumerate(expanded) for rank in spec.child_ranks(path)]
+        paths = [expanded[row] + (rank,) for row, rank in children]
+        levels.append(_Level(torch.tensor([r for r, _ in children], device=device), torch.tensor([k for _, k in children], device=device)))
+        chosen = [i for i, path in enumerate(paths) if spec.child_ranks(path)]
+        expand.append(torch.tensor(chosen, dtype=torch.long, device=device))
+        expanded = [paths[i] for i in chosen]
+    return levels, expand
+
+
 @torch.inference_mode()
 def draft_tree(
-    head: "EagleHead",
-    cache,
+    head: "LeanHead",
+    expand,  # callable: the head's (compiled) ``LeanHead.expand`` at ``spec.expand_width`` rows
+    cache: "KVCache",
     last_hidden: torch.Tensor,  # [hidden]: head output at the root's position (predicts the root's feature)
-    root_token: int,
+    root: torch.Tensor,  # [1] long: the root token
     prefix_len: int,
-    spec: TreeSpec,
+    spec: StaticTree | DynamicTree,
 ) -> DraftTree:
-    """Draft a tree below ``root_token`` with ``head``; the head cache is left at ``prefix_len``.
+    """Draft a tree below ``root``; the head's committed cache (``prefix_len`` slots) is left as it was.
 
     The head cache holds ``prefix_len`` committed positions; the root's pair (f_{L-1}, root) is the last of
     them. A node fed to the head sits at position ``prefix_len + depth - 1`` and takes its parent's
-    predicted feature and its own token; its output is its own predicted feature, whose LM-head
-    distribution proposes its children.
+    predicted feature and its own token; its output is its own predicted feature, whose draft distribution
+    proposes its children. Nodes of depth d are fed in rows ``prefix_len + (d - 1) * W + row`` of the cache
+    (W = ``spec.expand_width``, padding rows see only themselves), scratch slots past the committed ones.
     """
-    static = isinstance(spec, StaticTree)
     device = last_hidden.device
-    tokens: list[int] = [root_token]
-    parents: list[int] = [-1]
-    depths: list[int] = [0]
-    scores: list[float] = [0.0]
-    paths: list[tuple[int, ...]] = [()]
-    fed_slot: dict[int, int] = {}  # node -> index of its head-cache slot after the prefix
-    feature: dict[int, torch.Tensor] = {0: last_hidden.reshape(-1)}
-    expand = [0]
-    expand_logp = torch.log_softmax(head.draft_logits(last_hidden.reshape(1, -1)), dim=-1)  # [1, Vd]
-    max_rank = spec.top_k if not static else 1 + max(r for p in spec.paths for r in p)
-
+    static = isinstance(spec, StaticTree)
+    width, k = spec.expand_width, spec.top_k
+    plan, plan_expand = _static_plan(spec, device) if static else (None, None)
+    hidden_rows = last_hidden.reshape(1, -1)  # [E, hidden]: predicted features of the expanded rows
+    logp, ids = head.propose(hidden_rows, k)  # [E, k]
+    expanded_score = torch.zeros(1, dtype=torch.float64, device=device)  # [E]
+    expanded_node = torch.full((1,), -1, dtype=torch.long, device=device)  # [E]: candidate index, -1 = root
+    expanded_ancestry = torch.zeros(1, 0, dtype=torch.bool, device=device)  # [E, slots fed so far]
+    tokens, scores, parents, depths = [], [], [], []
+    count = 0  # candidates so far
     for depth in range(1, spec.depth + 1):
-        top = expand_logp.topk(min(max_rank, expand_logp.shape[-1]), dim=-1)  # [E, k]
-        top_ids = head.draft_to_target(top.indices)
-        new_nodes: list[int] = []
-        for row, parent in enumerate(expand):
-            ranks = spec.child_ranks(paths[parent]) if static else range(top_ids.shape[1])
-            for rank in ranks:
-                if rank >= top_ids.shape[1]:
-                    continue
-                tokens.append(int(top_ids[row, rank]))
-                parents.append(parent)
-                depths.append(depth)
-                scores.append(scores[parent] + float(top.values[row, rank]))
-                paths.append(paths[parent] + (rank,))
-                new_nodes.append(len(tokens) - 1)
-        if depth == spec.depth or not new_nodes:
-            break
         if static:
-            to_feed = [n for n in new_nodes if spec.child_ranks(paths[n])]
+            level = plan[depth - 1]
         else:
-            to_feed = sorted(new_nodes, key=lambda n: -scores[n])[: spec.top_k]
-        if not to_feed:
+            rows = torch.arange(expanded_node.numel(), device=device)
+            level = _Level(rows.repeat_interleave(k), torch.arange(k, device=device).repeat(rows.numel()))
+        child_score = expanded_score[level.rows] + logp[level.rows, level.ranks].double()  # [n]
+        tokens.append(ids[level.rows, level.ranks])
+        scores.append(child_score)
+        parents.append(expanded_node[level.rows])
+        depths.append(torch.full_like(level.rows, depth))
+        child_nodes = torch.arange(count, count + level.rows.numel(), device=device)
+        count += level.rows.numel()
+        if depth == spec.depth:
             break
-        hidden = _feed(head, cache, prefix_len, depth, to_feed, parents, tokens, feature, fed_slot, device)
-        for row, node in enumerate(to_feed):
-            feature[node] = hidden[row]
-        expand = to_feed
-        expand_logp = torch.log_softmax(head.draft_logits(hidden), dim=-1)  # [E, Vd]
-
-    crop_cache(cache, prefix_len)
-    keep = list(range(1, len(tokens))) if static else _rerank(parents, depths, scores, spec.total_tokens)
-    return _build(keep, tokens, parents, depths, device)
-
-
-def _feed(head, cache, prefix_len, depth, to_feed, parents, tokens, feature, fed_slot, device) -> torch.Tensor:
-    """Run the head over the nodes ``to_feed`` (all at ``depth``); return their outputs ``[E, hidden]``."""
-    slots_before = len(fed_slot)
-    q = len(to_feed)
-    allowed = torch.zeros(q, prefix_len + slots_before + q, dtype=torch.bool)
-    allowed[:, :prefix_len] = True
-    for row, node in enumerate(to_feed):
-        allowed[row, prefix_len + slots_before + row] = True
-        ancestor = parents[node]
-        while ancestor > 0:
-            allowed[row, prefix_len + fed_slot[ancestor]] = True
-            ancestor = parents[ancestor]
-    for row, node in enumerate(to_feed):
-        fed_slot[node] = slots_before + row
-    features = torch.stack([feature[parents[n]] for n in to_feed]).unsqueeze(0)  # [1, E, hidden]
-    token_ids = torch.tensor([[tokens[n] for n in to_feed]], device=device)  # [1, E]
-    positions = torch.full((1, q), prefix_len + depth - 1, dtype=torch.long, device=device)
-    mask = additive_mask(allowed.to(device), features.dtype)
-    return head(features, token_ids, cache, positions, mask)[0]
-
-
-def _rerank(parents: list[int], depths: list[int], scores: list[float], total: int) -> list[int]:
-    """EAGLE-2 reranking: the ``total`` best nodes by cumulative log-prob, closed under parents."""
-    order = sorted(range(1, len(parents)), key=lambda n: (-scores[n], depths[n], n))
-    kept: set[int] = {0}
-    keep: list[int] = []
-    for node in order:
-        if len(keep) == total:
+        chosen = plan_expand[depth - 1] if static else child_score.topk(min(k, child_score.numel())).indices
+        if chosen.numel() == 0:
             break
-        if parents[node] in kept:
-            kept.add(node)
-            keep.append(node)
-    return keep
+        # feed the chosen children: their parents' predicted features, their own tokens
+        e = chosen.numel()
+        parent_rows = level.rows[chosen]
+        feed_features = torch.zeros(width, hidden_rows.shape[-1], dtype=hidden_rows.dtype, device=device)
+        feed_features[:e] = hidden_rows[parent_rows]
+        feed_tokens = torch.zeros(width, dtype=torch.long, device=device)
+        feed_tokens[:e] = tokens[-1][chosen]
+        fed_before = (depth - 1) * width
+        own = torch.zeros(width, width, dtype=torch.bool, device=device)
+        own.fill_diagonal_(True)
+        ancestry_rows = torch.zeros(width, fed_before, dtype=torch.bool, device=device)
+        ancestry_rows[:e] = expanded_ancestry[parent_rows]
+        expanded_ancestry = torch.cat([ancestry_rows, own], dim=1)  # [W, fed_before + W]
+        mask = torch.cat([torch.ones(width, prefix_len, dtype=torch.bool, device=device), expanded_ancestry], dim=1)
+        slots = torch.arange(prefix_len + fed_before, prefix_len + fed_before + width, device=device)
+        positions = torch.full((1, width), prefix_len + depth - 1, dtype=torch.long, device=device)
+        hidden_rows, logp, ids = expand(feed_features[None], feed_tokens[None], positions, slots, mask[None, None], cache.keys, cache.values, k)
+        hidden_rows, logp, ids = hidden_rows[:e], logp[:e], ids[:e]
+        expanded_ancestry = expanded_ancestry[:e]
+        expanded_score = child_score[chosen]
+        expanded_node = child_nodes[chosen]
+
+    all_tokens, all_scores = torch.cat(tokens), torch.cat(scores)
+    all_parents, all_depths = torch.cat(parents), torch.cat(depths)
+    if static:
+        keep = torch.arange(all_tokens.numel(), device=device)
+    else:
+        key = all_scores - _DEPTH_TIE_BREAK * all_depths.double()
+        keep = key.topk(min(spec.total_tokens, key.numel())).indices.sort().values  # ascending = by depth
+    return _build(root, keep, all_tokens, all_parents, all_depths, all_scores)
 
 
-def _build(keep: list[int], tokens, parents, depths, device) -> DraftTree:
-    """Reindex kept nodes by (depth, draft order) so parents precede children and siblings keep rank order."""
-    keep = sorted(keep, key=lambda n: (depths[n], n))
-    new_index = {0: 0}
-    for i, node in enumerate(keep, start=1):
-        new_index[node] = i
-    return DraftTree(
-        tokens=torch.tensor([tokens[0]] + [tokens[n] for n in keep], device=device),
-        parents=[-1] + [new_index[parents[n]] for n in keep],
-        depths=torch.tensor([0] + [depths[n] for n in keep], device=device),
-    )
-
-
-def root_only(root_token: int, device: torch.device | str = "cpu") -> DraftTree:
-    """The empty draft: plain decoding verifies just the root."""
-    return DraftTree(tokens=torch.tensor([root_token], device=device), parents=[-1], depths=torch.zeros(1, dtype=torch.long, device=device))
+def _build(root: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor) -> DraftTree:
+    """The tree of the kept candidates (ascending candidate index: by depth, siblings in rank order), with
+    their parents renumbered: candidate c becomes node ``1 + position of c in keep``, the root node 0."""
+    device = tokens.device
+    renumber = torch.full((tokens.numel() + 1,), -1, dtype=torch.long, device=device)  # index c + 1; entry 0 = root
+    renumber[0] = 0
+    renumber[keep + 1] = torch.arange(1, keep.numel() + 1, device=device)
+    node_parents = torch.cat([torch.full((1,), -1, dtype=torch.long, device=device), renumber[parents[keep] + 1]])
+    node_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths[keep]])
+    node_scores = torch.cat([torch.zeros(1, dtype=scores.dtype, device=device), scores[keep]])
+    return DraftTree(torch.cat([root.reshape(1), tokens[keep]]), node_parents, node_depths, scores=node_scores)

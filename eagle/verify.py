@@ -22,7 +22,8 @@ the node is a leaf), draw the bonus token from the final residual. Each emitted 
 distributed as p conditioned on the prefix — lossless for any head.
 
 Processing of the target's logits (temperature, then top-k, then top-p) is the same function plain
-decoding samples from, so "the target's distribution" means the processed one.
+decoding samples from, so "the target's distribution" means the processed one. It is computed only for
+the nodes the walk visits (``ProcessedRows``).
 """
 
 from __future__ import annotations
@@ -86,23 +87,44 @@ class Acceptance:
     bonus_token: int
 
 
-def greedy_verify(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
-    """Longest path whose every token equals the target's argmax at its parent. ``logits``: ``[N, V]``."""
-    best = logits.argmax(dim=-1).tolist()  # [N]
-    tokens = tree.tokens.tolist()
-    children = tree.children
-    node, path = 0, []
-    while True:
-        match = next((c for c in children[node] if tokens[c] == best[node]), None)
-        if match is None:
-            return Acceptance(path, best[node])
-        path.append(match)
-        node = match
+def greedy_verify(tree: DraftTree, greedy: torch.Tensor) -> Acceptance:
+    """Longest path whose every token equals the target's argmax at its parent; ``greedy``: the target's
+    argmax at every node ``[N]``. Vectorised: a node is reachable when it and every ancestor below the root
+    match, the accepted node is the deepest reachable one; one transfer to the host at the end."""
+    tokens, parents = tree.tokens, tree.parents
+    matches = torch.ones_like(tokens, dtype=torch.bool)
+    matches[1:] = tokens[1:] == greedy[parents[1:]]  # [N]
+    reachable = (tree.ancestors <= matches).all(dim=-1)  # every ancestor (incl. itself) matches
+    node = int(torch.where(reachable, tree.depths, -1).argmax())
+    path = tree.ancestors[node].nonzero().squeeze(-1)[1:]  # ascending = top-down; drop the root
+    return Acceptance(path.tolist(), int(greedy[node]))
 
 
-def sample_verify(tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None) -> Acceptance:
-    """Recursive rejection over siblings (point-mass proposals); ``probs``: processed target ``[N, V]``."""
-    tokens = tree.tokens.tolist()
+class ProcessedRows:
+    """The target's processed distribution, computed per node on first read: recursive rejection reads the
+    rows of the accepted path only, so ``processed_probs`` (softmax, top-k, top-p over the vocabulary) runs
+    depth + 1 times per step instead of once per tree node. ``rows[node]`` is a ``[V]`` row,
+    ``rows[node, token]`` one probability."""
+
+    def __init__(self, logits: torch.Tensor, sampling: SamplingConfig) -> None:
+        self.logits = logits  # [N, V]
+        self.sampling = sampling
+        self._rows: dict[int, torch.Tensor] = {}
+        self.computed = 0
+
+    def __getitem__(self, index):
+        node, token = index if isinstance(index, tuple) else (index, None)
+        row = self._rows.get(node)
+        if row is None:
+            row = self._rows[node] = processed_probs(self.logits[node], self.sampling)
+            self.computed += 1
+        return row if token is None else row[token]
+
+
+def sample_verify(tree: DraftTree, probs, generator: torch.Generator | None) -> Acceptance:
+    """Recursive rejection over siblings (point-mass proposals); ``probs[node]``: the target's processed
+    distribution ``[V]`` at a node (a ``[N, V]`` tensor or ``ProcessedRows``)."""
+    tokens = tree.host[0]
     children = tree.children
     node, path = 0, []
     while True:

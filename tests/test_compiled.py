@@ -1,0 +1,132 @@
+"""The compiled fast path (``compile="on"``): lossless, equal to the eager path, no recompiles in a request.
+
+Greedy output equals plain decoding token for token on tiny llama / qwen2 / qwen3 / mistral targets (float64)
+and on SmolLM2 (float32), through the compiled functions: dynamic trees on every architecture with a
+trained head, and on llama static, auto and hybrid trees and untrained and wrong heads as well. Every call
+after warm-up runs under ``fail_on_recompile``, so these generations also show that a request (new cache
+capacity, growing KV length) never recompiles. The T>0 distribution through the compiled path is tested in
+tests/test_lossless_sampling.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
+from eagle.compile import CompileConfig, CompiledFunction
+from eagle.errors import EagleError
+from eagle.runtime import step_inputs, target_runtime
+from eagle.tree import AutoTree, HybridTree
+from heads import good_head, single_thread, wrong_head
+from tiny import ARCHITECTURES, tiny_target
+
+pytestmark = pytest.mark.slow
+
+LOGIT_SCALE = 3.0
+PROMPTS = ((5, 17, 3, 42, 8), (60, 9, 33, 33, 12, 7, 50, 21, 0) * 2)  # the second repeats: hybrid branches fire
+# Tiny models compile fast without GEMM autotuning (which has nothing to tune at width 32); SmolLM2 below uses it.
+TINY = CompileConfig(mode="on", autotune=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@functools.cache
+def _target(arch: str):
+    return tiny_target(arch, logit_scale=LOGIT_SCALE)
+
+
+@functools.cache
+def _head(arch: str, kind: str) -> EagleHead:
+    target = _target(arch)
+    return {"untrained": lambda: EagleHead.for_target(target, seed=0), "good": lambda: good_head(target), "wrong": lambda: wrong_head(target)}[kind]()
+
+
+def _config() -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+
+
+CASES = [(arch, "dynamic", "good") for arch in ARCHITECTURES] + [
+    ("llama", "dynamic", "untrained"), ("llama", "dynamic", "wrong"),
+    ("llama", "static", "good"), ("llama", "auto", "good"), ("llama", "hybrid", "good"), ("qwen3", "hybrid", "wrong"),
+]
+TREES = {"dynamic": DynamicTree(), "static": StaticTree(), "auto": AutoTree(max_depth=4, top_ks=(2, 4), sizes=(7, 15)), "hybrid": HybridTree(DynamicTree(depth=4, top_k=3, total_tokens=12))}
+
+
+@pytest.mark.parametrize("arch,tree,head", CASES)
+def test_compiled_greedy_equals_plain_decoding(arch, tree, head, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path))  # the auto tree's cost cache
+    target = _target(arch)
+    plain = Decoder(target, None, compile=TINY)
+    eagle = Decoder(target, _head(arch, head), TREES[tree], compile=TINY)
+    compiled = {**plain.warmup(), **eagle.warmup()}
+    assert compiled and all(seconds > 0 for seconds in compiled.values())
+    reference = Decoder(target, None)  # eager
+    taus = []
+    for prompt in PROMPTS:
+        want = reference.generate(list(prompt), _config()).token_ids
+        assert plain.generate(list(prompt), _config()).token_ids == want
+        result = eagle.generate(list(prompt), _config())
+        assert result.token_ids == want, f"{arch}/{tree}/{head} diverged on {prompt}"
+        taus.append(result.tau)
+    if head == "good":
+        assert max(taus) > 1.5, f"a trained head accepts little: {taus}"
+    if head == "wrong" and tree != "hybrid":
+        assert max(taus) < 1.2
+
+
+def test_compiled_and_eager_steps_agree_within_tolerance():
+    """float32: the compiled step (fused kernels, frozen weights) against the same step run eagerly."""
+    target = tiny_target("qwen2", dtype=torch.float32, logit_scale=LOGIT_SCALE)
+    prompt = torch.tensor(PROMPTS[1])
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    outputs = []
+    for runtime in (target_runtime(target, TINY), target_runtime(target, CompileConfig(mode="off"))):
+        cache = runtime.new_cache(64)
+        runtime.prefill(prompt, cache)
+        inputs = step_inputs(8, prompt.numel(), target.device)
+        outputs.append(runtime.step(8)(ids, *inputs[1:], cache.keys, cache.values))
+    (features, logits, greedy), (want_features, want_logits, want_greedy) = outputs
+    torch.testing.assert_close(features, want_features, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(greedy, want_greedy)
+
+
+def test_a_compile_failure_is_loud_and_names_the_fallback():
+    def broken(x):
+        return torch.ops.aten.this_op_does_not_exist(x)
+
+    with pytest.raises(EagleError, match=r"torch.compile failed for broken .*--compile off"):
+        CompiledFunction(broken, "broken", TINY, torch.device("cpu"), {})(torch.ones(3))
+
+
+def test_a_recompile_during_a_request_raises():
+    """After warm-up, a call that would need a new graph (here: another dtype) fails instead of compiling."""
+    fn = CompiledFunction(lambda x: x * 2, "double", TINY, torch.device("cpu"), {})
+    fn(torch.ones(4))
+    with pytest.raises(EagleError, match="would recompile"):
+        fn(torch.ones(4, dtype=torch.float64))
+
+
+def test_smollm2_compiled_greedy_equals_plain(smollm2):
+    """The real target in float32, an untrained head (nearly every draft rejected: the bonus-token path) and
+    the hybrid tree, whose steps use both verification widths (with and without an n-gram branch)."""
+    config = CompileConfig(mode="on", autotune=False)  # autotuned SmolLM2 graphs take minutes each on 2 cores
+    plain = Decoder(smollm2, None, compile=config)
+    eagle = Decoder(smollm2, EagleHead.for_target(smollm2, seed=0), HybridTree(), compile=config)
+    plain.warmup(), eagle.warmup()
+    taus = []
+    for text in ("Write a haiku about the sea.", "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat"):
+        ids = smollm2.encode(text, chat=True)
+        want = Decoder(smollm2, None).generate(ids, GenerationConfig(max_new_tokens=32)).token_ids
+        assert plain.generate(ids, GenerationConfig(max_new_tokens=32)).token_ids == want
+        result = eagle.generate(ids, GenerationConfig(max_new_tokens=32))
+        assert result.token_ids == want
+        taus.append(result.tau)
+    assert max(taus) > 1.2, f"the n-gram branch never accepted on a repeating prompt: {taus}"

@@ -1,0 +1,132 @@
+"""Pieces of the fast decode path: incremental detokenisation, bf16 near-tie rescoring, n-gram branches, the
+auto tree's acceptance estimate, and the request-level behaviour of static caches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
+from eagle.autotree import _accepted
+from eagle.generate import _TextDelta
+from eagle.model import LeanModel
+from eagle.ngram import add_branch, lookup
+from eagle.tree import DraftTree, HybridTree
+from tiny import tiny_target
+
+
+# ---- incremental detokenisation ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_text_deltas_concatenate_to_the_decoded_text_and_decode_short_windows(smollm2):
+    text = "Héllo wörld! 你好，世界。 Emoji: 🦅🚀 and code: def f(x):\n    return x ** 2  # ünïcode\n" * 8
+    ids = smollm2.tokenizer.encode(text)
+    windows: list[int] = []
+    decode = smollm2.decode
+
+    class Spy:
+        tokenizer = smollm2.tokenizer
+
+        def decode(self, token_ids):
+            windows.append(len(token_ids))
+            return decode(token_ids)
+
+    rng = random.Random(0)
+    for _ in range(5):
+        delta, parts, position = _TextDelta(Spy()), [], 0
+        while position < len(ids):
+            size = rng.randint(1, 6)  # a step emits 1..6 tokens
+            parts.append(delta.push(ids[position : position + size]))
+            position += size
+        assert "".join(parts) == decode(ids)
+    assert len(ids) > 300 and max(windows) <= 40, f"decoded windows up to {max(windows)} tokens of {len(ids)}"
+
+
+# ---- bf16 near ties --------------------------------------------------------------------------------------
+
+
+def test_rescoring_breaks_bf16_ties_by_the_float32_dot_product():
+    target = tiny_target("llama", vocab_size=16, hidden_size=32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        weight = target.lm_head.weight
+        weight.fill_(-0.5)
+        weight[3] = 0.1
+        weight[7] = 0.1
+        weight[7, 0] = weight[7, 0] + 2.0**-11  # one bf16 ulp more (0.1 = 1.6 x 2^-4, 7 mantissa bits)
+    assert weight[7, 0] > weight[3, 0]
+    model = LeanModel(target.backbone, target.lm_head, target.config, 64)
+    features = torch.ones(1, 32, dtype=torch.bfloat16)
+    logits = target.lm_head(features)
+    assert logits[0, 3] == logits[0, 7] and int(logits.argmax()) == 3  # an exact tie in bf16: argmax takes the first
+    assert int(model.greedy(features, logits)[0]) == 7  # float32 sees row 7's extra ulp
+    fp32 = LeanModel(target.backbone, target.lm_head, target.config, 64)
+    fp32.rescore = False
+    assert int(fp32.greedy(features, logits)[0]) == 3
+
+
+# ---- n-gram branches --------------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_most_recent_match():
+    context = [1, 2, 3, 9, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert lookup(context, max_ngram=3, min_ngram=2, max_tokens=3) == [4, 5, 7]  # (2, 3) most recently at 6..7
+    assert lookup([5, 1, 2, 3, 6, 8, 1, 2, 3], max_ngram=3, min_ngram=1, max_tokens=2) == [6, 8]
+    assert lookup([1, 2, 3, 4], max_ngram=3, min_ngram=2, max_tokens=4) == []
+    assert lookup([4, 4, 4, 4], max_ngram=2, min_ngram=2, max_tokens=5) == [4]  # the overlapping match
+    assert lookup([7], max_ngram=3, min_ngram=1, max_tokens=4) == []
+
+
+def test_a_branch_follows_the_drafted_path_then_adds_nodes():
+    spec = HybridTree(DynamicTree(depth=2, top_k=2, total_tokens=4), branch_tokens=4, max_ngram=2, min_ngram=2)
+    #            root  a  b   a->c  a->d
+    tree = DraftTree(torch.tensor([0, 10, 11, 12, 13]), [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2])
+    context = [5, 0, 10, 12, 14, 15, 8, 5, 0]  # tail (5, 0) -> 10, 12, 14, 15
+    merged = add_branch(tree, context, spec)
+    assert merged.tokens.tolist() == [0, 10, 11, 12, 13, 14, 15]
+    assert merged.parents.tolist() == [-1, 0, 0, 1, 1, 3, 5] and merged.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
+    assert merged.path_to(6) == [1, 3, 5, 6]
+    assert add_branch(tree, [1, 2, 3], spec) is tree  # no match: the tree itself
+    short = HybridTree(spec.base, branch_tokens=2, max_ngram=2, min_ngram=2)
+    assert add_branch(tree, [9, 0, 10, 12, 9, 0], short) is tree  # the head drafted the whole branch already
+
+
+# ---- the auto tree's estimate ------------------------------------------------------------------------------
+
+
+def test_the_auto_estimate_accepts_the_prefix_of_the_wide_path_a_smaller_tree_holds():
+    # wide tree (k = 2, depth 3): root -> 1, 2; 1 -> 3, 4; 2 -> 5, 6; 3 -> 7, 8; 5 -> 9, 10; accepted 1, 3, 8
+    step = {
+        "parents": [-1, 0, 0, 1, 1, 2, 2, 3, 3, 5, 5],
+        "depths": [0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3],
+        "ranks": [0, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1],
+        "scores": [0, -0.1, -1.0, -0.3, -1.2, -1.1, -2.0, -0.9, -1.3, -1.4, -2.2],
+        "path": [1, 3, 8],
+    }
+    assert _accepted(step, depth=3, k=2, size=10) == 3
+    assert _accepted(step, depth=2, k=2, size=6) == 2  # depth 2 cannot hold node 8
+    assert _accepted(step, depth=3, k=1, size=3) == 2  # top-1 children only: 1, 3, 7 (8 is rank 1)
+    assert _accepted(step, depth=3, k=2, size=4) == 2  # the 4 best: 1 (-0.1), 3 (-0.3), 7 (-0.9), 2 (-1.0)
+    assert _accepted(step, depth=1, k=2, size=2) == 1
+
+
+# ---- static caches at the request level -------------------------------------------------------------------
+
+
+def test_a_request_allocates_its_caches_once_and_leaves_them_sized_for_its_budget():
+    target = tiny_target("llama", logit_scale=3.0)
+    head = EagleHead.for_target(target, seed=0)
+    decoder = Decoder(target, head, DynamicTree(depth=3, top_k=2, total_tokens=5))
+    allocated = []
+    original = decoder.runtime.new_cache
+
+    def spy(capacity):
+        allocated.append(capacity)
+        return original(capacity)
+
+    decoder.runtime.new_cache = spy
+    result = decoder.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=60, stop_token_ids=[]))
+    assert len(result.token_ids) == 60
+    assert len(allocated) == 1 and 4 + 60 + decoder._scratch() <= allocated[0] <= 4 + 60 + decoder._scratch() + 64
