@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from eagle.errors import EagleError
+from eagle.compile import COMPILE_MODES
+from eagle.tree import TREE_KINDS
 from jobs.common import init_ray, job_parser, run_job, worker_env
 from jobs.presets import get_preset
 
@@ -37,7 +39,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     from eagle.bench import load_prompts, run_bench
     from eagle.head import EagleHead
     from eagle.target import load_target
-    from eagle.tree import DynamicTree, StaticTree
+    from eagle.tree import build_tree
     from eagle.verify import SamplingConfig
     from jobs.common import setup_logging
 
@@ -47,20 +49,12 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(settings["threads"])
     target = load_target(settings["target"], dtype=settings["dtype"])
     head = EagleHead.from_pretrained(settings["head_dir"], target)
-    tree = StaticTree() if settings["tree"] == "static" else DynamicTree()
     prompts = load_prompts(limit=settings["prompts"])
     return run_bench(
         target, head, prompts, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(temperature=settings["temperature"]),
-        tree=tree, baselines=settings["baselines"], seed=0, progress=True, head_label=settings["head_label"],
+        tree=build_tree(settings["tree"]), baselines=settings["baselines"], seed=0, progress=True, head_label=settings["head_label"],
+        compile=settings["compile"],
     )
-
-
-def _check_revision(head: str, head_name: str | None, head_revision: str | None, name: str, revision: str) -> None:
-    """A head made for another target (name or revision) fails here, before any worker starts and before
-    anything is downloaded, logged or promoted (the worker's ``EagleHead.from_pretrained`` then checks shapes
-    and vocabulary too)."""
-    if (head_name is not None and head_name != name) or (head_revision is not None and head_revision != revision):
-        raise EagleError(f"head {head} was trained for {head_name or name} revision {head_revision}, not {name} revision {revision}")
 
 
 def _head_config(head_dir: str):
@@ -76,6 +70,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
     from eagle.cli import resolve_head_spec
+    from eagle.head import check_revision
     from eagle.target import resolve_target
     from eagle_platform import registry
 
@@ -87,17 +82,17 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if head_spec.startswith("models:/"):
         model_name, alias, version = registry.parse_models_uri(head_spec)
         version_info = registry.head_version_info(model_name, alias, version=version)
-        _check_revision(head_spec, None, version_info["tags"].get("target_revision"), target_name, revision)
+        check_revision(head_spec, version_info["tags"].get("target_revision"), (target_name, revision))  # before the download
     elif args.promote_tau is not None:
         raise EagleError("--promote-tau needs a registered head (--head models:/<target>-eagle@<alias>)")
     head_dir = resolve_head_spec(head_spec)
     config = _head_config(head_dir)
-    _check_revision(head_dir, config.target_name, config.target_revision, target_name, revision)
+    check_revision(head_dir, config.target_revision, (target_name, revision))  # before any worker starts
     run_id = args.run_id or (version_info or {}).get("run_id")
 
     settings = {
         "target": target_spec, "head_dir": head_dir, "head_label": head_spec,
-        "dtype": args.dtype or preset.eval.dtype, "tree": args.tree,
+        "dtype": args.dtype or preset.eval.dtype, "tree": args.tree, "compile": args.compile,
         "prompts": args.prompts or preset.eval.prompts, "max_new_tokens": args.max_new_tokens or preset.eval.max_new_tokens,
         "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
         "baselines": [b for b in (args.baselines or "").split(",") if b],
@@ -145,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=None, help="MT-bench questions (default: the preset's)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
-    parser.add_argument("--tree", choices=["dynamic", "static"], default="dynamic")
+    parser.add_argument("--tree", choices=list(TREE_KINDS), default="dynamic")
+    parser.add_argument("--compile", choices=list(COMPILE_MODES), default="on", help="torch.compile the decoders (eagle.compile)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
     parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")

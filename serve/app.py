@@ -46,11 +46,15 @@ class AutoscalingArgs(BaseModel):
 
 
 class TreeArgs(BaseModel):
+    """The draft tree (``eagle.tree.build_tree``); None = the engine default."""
+
     model_config = ConfigDict(extra="forbid")
 
+    kind: Literal["dynamic", "static", "auto", "hybrid"] = "dynamic"
     depth: int | None = Field(None, ge=1)
     top_k: int | None = Field(None, ge=1)
     total_tokens: int | None = Field(None, ge=1)
+    branch_tokens: int | None = Field(None, ge=1)
 
 
 class PairArgs(BaseModel):
@@ -67,6 +71,7 @@ class PairArgs(BaseModel):
     watch_s: float | None = Field(30.0, gt=0)
     threads: int | None = Field(1, ge=1)
     tree: TreeArgs = Field(default_factory=TreeArgs)
+    compile: Literal["on", "off"] = "on"  # eagle.compile: "on" compiles once when the replica starts
     # deployment
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
     max_ongoing_requests: int = Field(4, ge=1)
@@ -80,7 +85,7 @@ class PairArgs(BaseModel):
         return {
             "model": self.model, "target": self.target, "head": self.head, "dtype": self.dtype,
             "max_tokens": self.max_tokens, "default_max_tokens": self.default_max_tokens, "watch_s": self.watch_s,
-            "threads": self.threads, "tree": self.tree.model_dump(),
+            "threads": self.threads, "tree": self.tree.model_dump(), "compile": self.compile,
         }
 
 

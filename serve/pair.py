@@ -31,7 +31,7 @@ import torch
 from eagle.errors import EagleError
 from eagle.generate import Decoder, GenerationConfig, StepStats
 from eagle.target import Target
-from eagle.tree import DynamicTree
+from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
 
 logger = logging.getLogger(__name__)
@@ -56,17 +56,16 @@ def _rebuild_request_error(message: str, param: str | None, code: str | None) ->
 
 @dataclass(frozen=True)
 class TreeSettings:
-    """The draft tree (EAGLE-2 dynamic tree, ``eagle.tree.DynamicTree``); None = the engine default."""
+    """The draft tree (``eagle.tree.build_tree``: kind and sizes); None = the engine default."""
 
+    kind: str = "dynamic"
     depth: int | None = None
     top_k: int | None = None
     total_tokens: int | None = None
+    branch_tokens: int | None = None
 
-    def build(self) -> DynamicTree:
-        default = DynamicTree()
-        return DynamicTree(
-            depth=self.depth or default.depth, top_k=self.top_k or default.top_k, total_tokens=self.total_tokens or default.total_tokens
-        )
+    def build(self) -> TreeSpec:
+        return build_tree(self.kind, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens, branch_tokens=self.branch_tokens)
 
 
 @dataclass(frozen=True)
@@ -83,6 +82,7 @@ class PairSpec:
         watch_s: registry poll interval for hot swap (``models:/...@alias`` heads only); None disables it.
         threads: torch intra-op threads per replica (None: torch's default).
         tree: the draft tree.
+        compile: ``eagle.compile`` mode of the decoder ("on": compiled once when the replica starts).
     """
 
     model: str
@@ -94,6 +94,7 @@ class PairSpec:
     watch_s: float | None = 30.0
     threads: int | None = None
     tree: TreeSettings = field(default_factory=TreeSettings)
+    compile: str = "on"
 
 
 @dataclass(frozen=True)
@@ -256,16 +257,19 @@ class PairServer:
         from eagle.head import EagleHead
 
         if head_spec is None:
-            return _Loaded(Decoder(self.target, None, self.tree), None, None, time.time())
+            return _Loaded(self._ready(None), None, None, time.time())
         head_dir, version = _resolve_head_dir(head_spec)
-        head = EagleHead.from_pretrained(head_dir, self.target)
-        config = head.config
-        if config.target_revision not in ("unknown", self.target.revision):
-            raise EagleError(
-                f"head {head_spec} was trained for {config.target_name} revision {config.target_revision}, "
-                f"not {self.target.name} revision {self.target.revision}"
-            )
-        return _Loaded(Decoder(self.target, head, self.tree), head_dir, version, time.time())
+        head = EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
+        return _Loaded(self._ready(head), head_dir, version, time.time())
+
+    def _ready(self, head) -> Decoder:
+        """A decoder whose functions are compiled (and auto tree chosen) before it serves a request: on hot
+        swap this runs on the watcher thread while the old head keeps serving."""
+        decoder = Decoder(self.target, head, self.tree, compile=self.spec.compile)
+        seconds = decoder.warmup()
+        if seconds:
+            logger.info("pair %s: compiled in %.1f s (%s)", self.spec.model, sum(seconds.values()), ", ".join(seconds))
+        return decoder
 
     def _start_watcher(self) -> None:
         self._watcher = threading.Thread(target=self._watch, name=f"head-watch-{self.spec.model}", daemon=True)
@@ -336,7 +340,7 @@ class PairServer:
             "speculative": loaded.decoder.head is not None,
             "tree": asdict(self.spec.tree),
             "dtype": self.spec.dtype,
-            "context_window": self.target.max_positions,
+            "context_window": loaded.decoder.context_window,
             "max_tokens": self.spec.max_tokens,
             "registry_error": self._watch_error,
         }
@@ -370,7 +374,7 @@ class PairServer:
         max_tokens = request.max_tokens if request.max_tokens is not None else self.spec.default_max_tokens
         if max_tokens > self.spec.max_tokens:
             raise RequestError(f"max_tokens must be at most {self.spec.max_tokens}, got {max_tokens}", param="max_tokens")
-        window = self.target.max_positions
+        window = decoder.context_window
         tree_size = decoder.tree.size if decoder.head is not None else 0
         room = window - prompt_len - tree_size - 1
         if room <= 0:

@@ -26,6 +26,7 @@ class PreflightError(Exception):
 def check(config_path: str) -> list[str]:
     """One line per pair that is ready; raises PreflightError with a one-line reason otherwise."""
     from eagle.errors import EagleError
+    from eagle.head import check_revision
     from eagle.target import resolve_target
     from serve.app import AppArgs
 
@@ -67,9 +68,10 @@ def check(config_path: str) -> list[str]:
                         f"pair {pair.model!r}: {str(err).splitlines()[0]} (a head is registered by `make quickstart` "
                         "or jobs.train_head, and promoted to @production by jobs.evaluate --promote-tau)"
                     ) from None
-                tagged = info["tags"].get("target_revision")
-                if tagged and tagged != revision:
-                    raise PreflightError(f"pair {pair.model!r}: {pair.head} was trained for revision {tagged}, not {target_name} revision {revision}")
+                try:
+                    check_revision(pair.head, info["tags"].get("target_revision"), (target_name, revision))
+                except EagleError as err:
+                    raise PreflightError(f"pair {pair.model!r}: {err}") from None
                 head = f"{pair.head} -> version {info['version']}"
             elif pair.head:
                 if not os.path.isdir(pair.head):

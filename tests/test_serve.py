@@ -68,10 +68,12 @@ def app(tmp_path_factory, mlflow_server):
     os.environ["EAGLE_CACHE_DIR"] = str(root / "cache")
     target_a = load_target(str(dirs["a"]), dtype="float32")
     first_version = register_head(heads["a"], target_a)
-    common = {"dtype": "float32", "threads": 1, "num_cpus": 0.1, "max_tokens": 256, "watch_s": None}
+    # pair "a" runs compiled, as served pairs do by default; the rest eagerly (each compiled replica pays
+    # its compile at start-up, which this module's many pairs cannot afford on 2 cores)
+    common = {"dtype": "float32", "threads": 1, "num_cpus": 0.1, "max_tokens": 256, "watch_s": None, "compile": "off"}
     fixed = {"min_replicas": 1, "max_replicas": 1}
     pairs = [
-        {"model": "a", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "autoscaling": fixed},
+        {"model": "a", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "compile": "on", "autoscaling": fixed},
         {"model": "b", "target": str(dirs["b"]), "head": str(heads["b"]), **common, "autoscaling": fixed},
         {"model": "a-plain", "target": str(dirs["a"]), "head": None, **common, "autoscaling": fixed},
         {"model": "busy", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "autoscaling": fixed,

@@ -24,8 +24,8 @@ def pairs(tmp_path_factory):
         target_dir = tiny_chat_target_dir(root / f"tiny-{name}", seed=seed)
         head_dir = tiny_head_dir(target_dir, root / f"head-{name}", seed=seed)
         target = load_target(str(target_dir), dtype="float32")
-        servers[name] = PairServer(PairSpec(model=name, target=str(target_dir), head=str(head_dir), dtype="float32", max_tokens=64), target=target)
-    servers["a-plain"] = PairServer(PairSpec(model="a-plain", target="unused", dtype="float32", max_tokens=64), target=servers["a"].target)
+        servers[name] = PairServer(PairSpec(model=name, target=str(target_dir), head=str(head_dir), dtype="float32", max_tokens=64, compile="off"), target=target)
+    servers["a-plain"] = PairServer(PairSpec(model="a-plain", target="unused", dtype="float32", max_tokens=64, compile="off"), target=servers["a"].target)
     yield servers
     for server in servers.values():
         server.shutdown()

@@ -2,7 +2,7 @@
 authentication + MLflow, infra/local/stack.sh on free ports), with the SmolLM2 pair from the registry.
 
 The config is deployed as written except for what a test must change: the HTTP port and the MLflow URI
-(free ports), and fp32 instead of bf16 (exact equality with plain decoding is an fp32 property). A head is
+(free ports), eager decoders (compile off: the compiled path has its own tests), and fp32 instead of bf16 (exact equality with plain decoding is an fp32 property). A head is
 registered and promoted to @production first, as training + evaluation would. At T=0 the EAGLE pair and the
 target-alone pair both return exactly what plain decoding of SmolLM2 returns; the preflight check refuses a
 config whose alias does not exist, in one line. Then infra/local/serve.sh runs the same config in the
@@ -34,6 +34,7 @@ def deploy_config(tmp_path, http_port: int, tracking: str) -> str:
     application["runtime_env"]["env_vars"]["MLFLOW_TRACKING_URI"] = tracking
     for pair in application["args"]["pairs"]:
         pair["dtype"] = "float32"
+        pair["compile"] = "off"  # the compiled path has its own tests; compiling SmolLM2 in every replica costs minutes
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return str(path)
