@@ -66,6 +66,13 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The fast-path benchmark of docs/benchmarks.md section 6 (about an hour; vLLM and llama.cpp are installed
+# into .venv-vllm / .venv-llamacpp on first use): `make bench-fast HEAD=<head dir or models:/...>`.
+.PHONY: bench-fast
+HEAD ?= models:/smollm2-135m-eagle@production
+bench-fast: install
+	infra/bench/run.sh $(HEAD)
+
 # The default pairs (serve/config.yaml: the registered head @production + the target alone) on
 # http://127.0.0.1:8000, OpenAI-compatible, in the foreground; starts the local stack if it is down and stops
 # it again on Ctrl-C. Needs a registered head: `make quickstart` first.

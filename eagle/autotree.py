@@ -141,7 +141,7 @@ def _verify_costs(decoder: "Decoder", widths: list[int]) -> dict[int, float]:
     missing = [w for w in widths if w not in cached]
     if missing:
         runtime = decoder.runtime
-        cache = runtime.new_cache(COST_CONTEXT + max(missing) + 1)
+        cache = runtime.new_cache(decoder._capacity(COST_CONTEXT, scratch=max(missing)))
         generator = torch.Generator().manual_seed(0)
         runtime.prefill(torch.randint(0, decoder.target.vocab_size, (COST_CONTEXT,), generator=generator).to(decoder.target.device), cache)
         for width in missing:
@@ -162,7 +162,7 @@ def _head_costs(decoder: "Decoder", spec: AutoTree) -> dict[str, float | dict[in
     device = decoder.target.device
     heads = decoder.head_runtime
     dtype = decoder.runtime.model.lm_head.weight.dtype
-    cache = heads.new_cache(COST_CONTEXT + 4 * (spec.max_depth + 1) * max(spec.top_ks))
+    cache = heads.new_cache(decoder._capacity(COST_CONTEXT, scratch=(spec.max_depth + 1) * max(spec.top_ks)))
     hidden = torch.zeros(1, decoder.target.hidden_size, dtype=dtype, device=device)
     costs: dict = {"propose": time_ms(lambda: heads.lean.propose(hidden, max(spec.top_ks)), COST_REPEATS), "expand": {}}
     for k in spec.top_ks:

@@ -408,6 +408,11 @@ def _prompt_record(
     return record
 
 
+def _rate_true(records: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if r[key] is not None]
+    return sum(values) / len(values) if values else None
+
+
 def _all_true(records: list[dict[str, Any]], key: str) -> bool | None:
     values = [r[key] for r in records if r[key] is not None]
     return all(values) if values else None
@@ -430,6 +435,7 @@ def _aggregate(records: list[dict[str, Any]], method_names: list[str], depth: in
         "n_alpha_mean": None,
         "n_alpha_pooled": None,
         "all_outputs_match_plain": _all_true(records, "outputs_match_plain"),
+        "outputs_match_plain_rate": _rate_true(records, "outputs_match_plain"),
         "all_hf_match_plain": _all_true(records, "hf_matches_plain"),
         "all_prompt_lookup_match_plain": _all_true(records, "prompt_lookup_matches_plain"),
     }

@@ -162,11 +162,10 @@ class Decoder:
             return {"verify": [1], "expand": [], "advance": []}
         tree = self.tree
         base = _base(tree)
-        verify = [1 + base.size]
+        verify = [1 + base.size]  # a hybrid tree's branch replaces head nodes: the same width
         deepest = base.depth
         if isinstance(tree, HybridTree):
-            verify.append(1 + base.size + tree.branch_tokens)
-            deepest = max(deepest, tree.branch_tokens)
+            deepest = max(deepest, min(tree.branch_tokens, base.size))
         expand = [base.expand_width] if base.depth > 1 else []
         return {"verify": verify, "expand": expand, "advance": [deepest + 1]}
 
@@ -175,6 +174,15 @@ class Decoder:
         widths = self._widths()
         drafting = self.tree.depth * max(widths["expand"], default=0)
         return max(max(widths["verify"]), drafting, max(widths["advance"], default=0))
+
+    def _capacity(self, tokens: int, scratch: int | None = None) -> int:
+        """KV slots for a request of ``tokens`` committed tokens at most: those plus the ``scratch`` a step
+        writes (default: this decoder's tree's), rounded up; on CUDA always the whole context window, so
+        that every request has the same shapes (static graphs, CUDA graphs)."""
+        scratch = self._scratch() if scratch is None else scratch
+        if self.target.device.type == "cuda":
+            return _round_up(self.context_window + scratch + 1, 64)
+        return _round_up(tokens + scratch + 1, 64)
 
     # ---- phases -----------------------------------------------------------------------------------
 
@@ -186,7 +194,7 @@ class Decoder:
     @torch.inference_mode()
     def _prefill(self, prompt_ids: list[int], sampling: SamplingConfig, generator, capacity: int | None = None) -> _State:
         device = self.target.device
-        capacity = capacity or _round_up(len(prompt_ids) + 1 + self._scratch(), 64)
+        capacity = capacity or self._capacity(len(prompt_ids) + 1)
         ids = torch.tensor(prompt_ids, device=device)  # [n]
         cache = self.runtime.new_cache(capacity)
         features = self.runtime.prefill(ids, cache)  # [n, hidden]
@@ -212,7 +220,7 @@ class Decoder:
         if isinstance(tree, HybridTree):
             from eagle.ngram import add_branch
 
-            drafted = add_branch(drafted, state.context, tree)
+            drafted = add_branch(drafted, state.context, tree, width=1 + base.size)
         return drafted
 
     @torch.inference_mode()
@@ -266,7 +274,7 @@ class Decoder:
         (compiling it under ``compile="on"``); returns the compile seconds per function."""
         tree = self.tree if self.head is not None else None
         device, prefix, widths = self.target.device, 4, self._widths()
-        cache = self.runtime.new_cache(_round_up(prefix + self._scratch() + 1, 64))
+        cache = self.runtime.new_cache(self._capacity(prefix + 1))
         for width in widths["verify"]:
             self.runtime.step(width)(*step_inputs(width, prefix, device), cache.keys, cache.values)
         seconds = dict(self.runtime.compile_seconds())
@@ -301,8 +309,7 @@ class Decoder:
         stop_ids = self._stop_ids(config)
         text = _TextDelta(self.target)
 
-        capacity = _round_up(len(prompt_ids) + config.max_new_tokens + self._scratch() + 1, 64)
-        state = self._prefill(prompt_ids, config.sampling, generator, capacity)
+        state = self._prefill(prompt_ids, config.sampling, generator, self._capacity(len(prompt_ids) + config.max_new_tokens))
         emitted = [state.root]
         yield StepOutput([state.root], text.push([state.root]), None)
         if state.root in stop_ids:

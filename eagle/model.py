@@ -61,8 +61,9 @@ class KVCache:
     def __init__(self, layers: int, shape: AttentionShape, capacity: int, dtype: torch.dtype, device) -> None:
         self.capacity = capacity
         size = (1, shape.kv_heads, capacity, shape.head_dim)
-        self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
+        with torch.inference_mode():  # inference tensors whoever allocates: the compiled graphs guard on it
+            self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
+            self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
 
     def compact(self, keep: int, source: torch.Tensor) -> None:
         """Move the slots ``source`` (ascending, all >= ``keep``) to ``keep, keep + 1, ...`` in every layer:
@@ -144,7 +145,7 @@ class LeanLayer(nn.Module):
         key = key * cos + _rotate_half(key) * sin
         keys.index_copy_(2, slots, key)
         values.index_copy_(2, slots, value)
-        kv = mask.shape[-1]
+        kv = mask.shape[-1]  # the committed length + this step on CPU; the whole buffer on CUDA (eagle.compile)
         attended = F.scaled_dot_product_attention(
             query, keys[:, :, :kv], values[:, :, :kv], attn_mask=mask, scale=self.scale,
             enable_gqa=shape.heads != shape.kv_heads,

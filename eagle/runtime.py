@@ -30,6 +30,7 @@ def context_limit(target: Target) -> int:
     return min(target.max_positions, ROPE_TABLE_LIMIT)
 
 
+@torch.inference_mode()  # inference tensors, as the decoder's own inputs are (the graphs guard on it)
 def step_inputs(width: int, start: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(ids ``[1, w]``, positions ``[1, w]``, slots ``[w]``, mask ``[1, 1, w, start + w]``): ``width`` tokens
     after ``start`` cached ones, each seeing the prefix and itself: the shapes of a step, for warm-up and
@@ -52,7 +53,7 @@ class TargetRuntime:
         """``LeanModel.step`` over ``width`` tokens: (features ``[w, h]``, logits ``[w, V]``, greedy ids ``[w]``)."""
         if width not in self._steps:
             self._steps[width] = CompiledFunction(
-                self.model.step, f"{self.target.name} step[{width}]", self.compile, self.target.device, _STEP_DYNAMIC
+                (self.model, "step"), f"{self.target.name} step[{width}]", self.compile, self.target.device, _STEP_DYNAMIC
             )
         return self._steps[width]
 
@@ -85,12 +86,12 @@ class HeadRuntime:
 
     def expand(self, width: int) -> CompiledFunction:
         if width not in self._expand:
-            self._expand[width] = CompiledFunction(self.lean.expand, f"{self.label} expand[{width}]", self.compile, self.device, _HEAD_DYNAMIC)
+            self._expand[width] = CompiledFunction((self.lean, "expand"), f"{self.label} expand[{width}]", self.compile, self.device, _HEAD_DYNAMIC)
         return self._expand[width]
 
     def advance(self, width: int) -> CompiledFunction:
         if width not in self._advance:
-            self._advance[width] = CompiledFunction(self.lean.forward, f"{self.label} advance[{width}]", self.compile, self.device, _HEAD_DYNAMIC)
+            self._advance[width] = CompiledFunction((self.lean, "forward"), f"{self.label} advance[{width}]", self.compile, self.device, _HEAD_DYNAMIC)
         return self._advance[width]
 
     def new_cache(self, capacity: int) -> KVCache:

@@ -18,7 +18,7 @@ import torch
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
 from eagle.compile import CompileConfig, CompiledFunction
 from eagle.errors import EagleError
-from eagle.runtime import step_inputs, target_runtime
+from eagle.runtime import head_runtime, step_inputs, target_runtime
 from eagle.tree import AutoTree, HybridTree
 from heads import good_head, single_thread, wrong_head
 from tiny import ARCHITECTURES, tiny_target
@@ -98,11 +98,34 @@ def test_compiled_and_eager_steps_agree_within_tolerance():
     assert torch.equal(greedy, want_greedy)
 
 
+def test_every_target_and_head_compiles_its_own_weights():
+    """Frozen weights are constants of a graph: a second target or head of the same shapes must get its own
+    graphs, never reuse the first one's (a reused graph would still be lossless, so greedy tests miss it)."""
+    targets = [tiny_target("llama", dtype=torch.float32, logit_scale=LOGIT_SCALE, seed=seed) for seed in (0, 5)]
+    ids, prompt = torch.tensor([[7, 8, 9, 10]]), torch.tensor([1, 2, 3, 4, 5])
+    inputs = step_inputs(4, prompt.numel(), torch.device("cpu"))
+    for target in targets:
+        outputs = []
+        for runtime in (target_runtime(target, TINY), target_runtime(target, CompileConfig(mode="off"))):
+            cache = runtime.new_cache(64)
+            runtime.prefill(prompt, cache)
+            outputs.append(runtime.step(4)(ids, *inputs[1:], cache.keys, cache.values)[1])
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-4)
+    features = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(0))
+    for seed in (0, 1):
+        head = EagleHead.for_target(targets[0], seed=seed)
+        outputs = []
+        for runtime in (head_runtime(head, targets[0], TINY), head_runtime(head, targets[0], CompileConfig(mode="off"))):
+            cache = runtime.new_cache(64)
+            outputs.append(runtime.expand(4)(features, ids, *inputs[1:], cache.keys, cache.values, 4)[0])
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+
+
 def test_a_compile_failure_is_loud_and_names_the_fallback():
     def broken(x):
         return torch.ops.aten.this_op_does_not_exist(x)
 
-    with pytest.raises(EagleError, match=r"torch.compile failed for broken .*--compile off"):
+    with pytest.raises(EagleError, match=r"torch.compile failed for broken: .*--compile off"):
         CompiledFunction(broken, "broken", TINY, torch.device("cpu"), {})(torch.ones(3))
 
 

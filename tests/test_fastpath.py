@@ -84,10 +84,16 @@ def test_a_branch_follows_the_drafted_path_then_adds_nodes():
     #            root  a  b   a->c  a->d
     tree = DraftTree(torch.tensor([0, 10, 11, 12, 13]), [-1, 0, 0, 1, 1], [0, 1, 1, 2, 2])
     context = [5, 0, 10, 12, 14, 15, 8, 5, 0]  # tail (5, 0) -> 10, 12, 14, 15
-    merged = add_branch(tree, context, spec)
+    merged = add_branch(tree, context, spec, width=7)  # room for both new nodes
     assert merged.tokens.tolist() == [0, 10, 11, 12, 13, 14, 15]
     assert merged.parents.tolist() == [-1, 0, 0, 1, 1, 3, 5] and merged.depths.tolist() == [0, 1, 1, 2, 2, 3, 4]
     assert merged.path_to(6) == [1, 3, 5, 6]
+    # at the tree's own width the new nodes replace the head's lowest-scored nodes off the branch's path
+    scored = DraftTree(tree.tokens, tree.parents, tree.depths, scores=torch.tensor([0.0, -0.5, -1.0, -0.7, -0.6], dtype=torch.float64))
+    three = HybridTree(spec.base, branch_tokens=3, max_ngram=2, min_ngram=2)  # branch 10, 12, 14: one new node
+    fitted = add_branch(scored, context, three)
+    assert len(fitted) == 5 and fitted.tokens.tolist() == [0, 10, 12, 13, 14]  # 11 (-1.0) made room for 14
+    assert fitted.parents.tolist() == [-1, 0, 1, 1, 2] and fitted.depths.tolist() == [0, 1, 2, 2, 3]
     assert add_branch(tree, [1, 2, 3], spec) is tree  # no match: the tree itself
     short = HybridTree(spec.base, branch_tokens=2, max_ngram=2, min_ngram=2)
     assert add_branch(tree, [9, 0, 10, 12, 9, 0], short) is tree  # the head drafted the whole branch already

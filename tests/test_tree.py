@@ -72,6 +72,7 @@ def _tree_forward(model, cache, tree, start, width):
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
+@torch.inference_mode()  # the decoder's caches are inference tensors
 def test_tree_forward_scores_every_path_like_sequential_decoding(model_type):
     """One padded forward over a random tree (the decoder's verification) gives every node the features a
     plain forward over its path gives, through transformers' own forward as the reference."""
@@ -92,6 +93,7 @@ def test_tree_forward_scores_every_path_like_sequential_decoding(model_type):
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
+@torch.inference_mode()  # the decoder's caches are inference tensors
 def test_compacted_cache_equals_fresh_prefill_of_accepted_tokens(model_type):
     target = tiny_target(model_type)
     model = _lean(target)
@@ -249,7 +251,7 @@ def test_static_tree_must_be_prefix_closed():
 
 def test_build_tree_is_the_one_factory():
     assert build_tree() == DynamicTree()
-    assert build_tree("dynamic", depth=3) == DynamicTree(depth=3, top_k=4, total_tokens=16)
+    assert build_tree("dynamic", depth=3) == DynamicTree(depth=3, top_k=4, total_tokens=15)
     assert build_tree("static") == StaticTree()
     assert build_tree("auto") == AutoTree()
     assert build_tree("hybrid", total_tokens=8, branch_tokens=6) == HybridTree(DynamicTree(total_tokens=8), branch_tokens=6)

@@ -30,7 +30,14 @@ install_vllm() {
 install_llamacpp() {
     [[ -f "$LLAMACPP_VENV/.installed" ]] && return 0
     "$PYTHON" -m venv "$LLAMACPP_VENV"
-    CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$LLAMACPP_VENV/bin/python" -m pip install --quiet "llama-cpp-python==$LLAMACPP_VERSION"
+    # GGML_NATIVE would compile in AMX kernels, which died with SIGILL in this VM (tile data is not
+    # enabled for the process); AVX-512 (with VNNI / BF16 where the CPU has them) is what llama.cpp runs on
+    local flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+    grep -q ' avx512f ' /proc/cpuinfo && flags+=(-DGGML_AVX512=ON)
+    grep -q ' avx512_vnni ' /proc/cpuinfo && flags+=(-DGGML_AVX512_VNNI=ON)
+    grep -q ' avx512_bf16 ' /proc/cpuinfo && flags+=(-DGGML_AVX512_BF16=ON)
+    CMAKE_ARGS="${flags[*]}" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$LLAMACPP_VENV/bin/python" -m pip install --quiet --no-cache-dir \
+        "llama-cpp-python==$LLAMACPP_VERSION"
     touch "$LLAMACPP_VENV/.installed"
 }
 
