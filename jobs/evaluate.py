@@ -92,7 +92,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     settings = {
         "target": target_spec, "head_dir": head_dir, "head_label": head_spec,
-        "dtype": args.dtype or preset.eval.dtype, "tree": args.tree, "compile": args.compile,
+        "dtype": args.dtype or preset.eval.dtype, "tree": args.tree, "compile": args.compile or preset.eval.compile,
         "prompts": args.prompts or preset.eval.prompts, "max_new_tokens": args.max_new_tokens or preset.eval.max_new_tokens,
         "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
         "baselines": [b for b in (args.baselines or "").split(",") if b],
@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--tree", choices=list(TREE_KINDS), default="dynamic")
-    parser.add_argument("--compile", choices=list(COMPILE_MODES), default="on", help="torch.compile the decoders (eagle.compile)")
+    parser.add_argument("--compile", choices=list(COMPILE_MODES), default=None, help="torch.compile the decoders (eagle.compile; default: the preset's, on)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
     parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")

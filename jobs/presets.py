@@ -94,6 +94,7 @@ class EvalConfig:
     dtype: str = "bfloat16"
     temperature: float = 0.0
     promote_tau: float | None = None  # promote the alias to production when tau >= this
+    compile: str = "on"  # eagle.compile mode of the benched decoders (the fast path); --compile overrides
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ class Preset:
 def smoke() -> Preset:
     """SmolLM2-135M through every stage in a few minutes: the fresh-machine test's preset
     (tests/test_fresh_machine.py runs ``make quickstart PRESET=smoke``). 64 conversations, 8 training steps,
-    2 MT-bench prompts x 16 tokens; the head it trains is not meant to be good, and nothing is promoted."""
+    2 MT-bench prompts x 16 tokens, evaluated eagerly; the head it trains is not meant to be good, and
+    nothing is promoted."""
     return Preset(
         name="smoke",
         description="SmolLM2-135M, every stage at toy size (fresh-machine test), ~5 minutes on 2 CPU cores",
@@ -139,7 +141,8 @@ def smoke() -> Preset:
             workers=2, zero_stage=2, batch_tokens=2048, lr=2e-3, warmup_steps=2, epochs=1.0, max_steps=8,
             checkpoint_every=4, log_every=2, metrics_depth=2,
         ),
-        eval=EvalConfig(prompts=2, max_new_tokens=16, dtype="bfloat16", promote_tau=None),
+        # eager: compiling SmolLM2 (minutes on 2 cores) would dwarf 2 x 16 tokens of a head not meant to be good
+        eval=EvalConfig(prompts=2, max_new_tokens=16, dtype="bfloat16", promote_tau=None, compile="off"),
     )
 
 

@@ -1,4 +1,8 @@
-"""`eaglectl` end to end through its console script, on the real default target."""
+"""`eaglectl` end to end through its console script, on the real default target.
+
+`generate --json` runs the default (compiled) path; the others pass `--compile off`: each compiled process
+pays its compile again (minutes on 2 cores), and the compiled path has its own tests (test_compiled,
+test_smollm2)."""
 
 import json
 import os
@@ -28,7 +32,7 @@ def test_generate_json_reports_text_and_stats():
 
 
 def test_generate_stream_prints_text():
-    out = run("generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--stream", "--head", "random")
+    out = run("generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--stream", "--head", "random", "--compile", "off")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
@@ -39,7 +43,7 @@ def test_bench_float32_matches_plain_on_a_prompt_file(tmp_path):
     result_path = tmp_path / "result.json"
     out = run(
         "bench", "--prompts", str(prompts), "--head", "random", "--max-new-tokens", "16", "--temperature", "0",
-        "--dtype", "float32", "--baselines", "", "--out", str(result_path),
+        "--dtype", "float32", "--baselines", "", "--compile", "off", "--out", str(result_path),
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(result_path.read_text())
