@@ -212,4 +212,7 @@ def choose_tree(decoder: "Decoder", spec: AutoTree) -> tuple[DynamicTree, dict]:
         f"{best['tokens_per_s']:.1f} tok/s vs plain {plain:.1f} (measured in {report['measure_s']:.0f} s over {len(steps)} steps)"
     )
     logger.info("auto tree: %s", report["summary"])
+    if best["tokens_per_s"] < plain:
+        logger.warning("auto tree: no tree beats plain decoding with this head on this machine (expected %.1f vs %.1f tok/s); "
+                       "--head none would be faster", best["tokens_per_s"], plain)
     return chosen, report

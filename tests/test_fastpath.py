@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
-from eagle.autotree import _accepted
+import eagle.autotree
+from eagle.autotree import _accepted, choose_tree
 from eagle.generate import _TextDelta
 from eagle.model import LeanModel
 from eagle.ngram import add_branch, lookup
-from eagle.tree import DraftTree, HybridTree
+from eagle.tree import AutoTree, DraftTree, HybridTree
 from tiny import tiny_target
 
 
@@ -116,6 +117,25 @@ def test_the_auto_estimate_accepts_the_prefix_of_the_wide_path_a_smaller_tree_ho
     assert _accepted(step, depth=3, k=1, size=3) == 2  # top-1 children only: 1, 3, 7 (8 is rank 1)
     assert _accepted(step, depth=3, k=2, size=4) == 2  # the 4 best: 1 (-0.1), 3 (-0.3), 7 (-0.9), 2 (-1.0)
     assert _accepted(step, depth=1, k=2, size=2) == 1
+
+
+def test_the_auto_tree_takes_the_best_measured_rate_and_warns_when_plain_decoding_is_faster(monkeypatch, caplog):
+    """choose_tree's arithmetic on fixed measurements: a head whose calibration accepted one token per step
+    (tau 2 for every candidate), target steps costing 10 ms + 1 ms per token; then a head that accepts nothing."""
+    step = {"parents": [-1, 0, 0], "depths": [0, 1, 1], "ranks": [0, 0, 1], "scores": [0, -0.1, -0.2], "path": [1]}
+    monkeypatch.setattr(eagle.autotree, "_calibrate", lambda decoder, spec: [step] * 4)
+    monkeypatch.setattr(eagle.autotree, "_verify_costs", lambda decoder, widths: {w: 10.0 + w for w in widths})
+    monkeypatch.setattr(eagle.autotree, "_head_costs", lambda decoder, spec: {"propose": 1.0, "advance": 1.0, "expand": {2: 1.0, 3: 1.0}})
+    with caplog.at_level("WARNING", logger="eagle.autotree"):
+        chosen, report = choose_tree(None, AutoTree(max_depth=2, top_ks=(2, 3), sizes=(2, 4)))
+    # tau 2 everywhere; the cheapest tree wins: depth 1, 2 tokens -> 2 / (1 + 13 + 1) ms = 133 tok/s < 1000 / 11
+    assert (chosen.depth, chosen.total_tokens) == (1, 2) and report["expected_tau"] == 2.0
+    assert report["expected_tokens_per_s"] == 133.3 and report["plain_tokens_per_s"] == 90.9
+    assert not any("beats plain" in r.message for r in caplog.records)
+    monkeypatch.setattr(eagle.autotree, "_calibrate", lambda decoder, spec: [])  # accepts nothing: tau 1
+    with caplog.at_level("WARNING", logger="eagle.autotree"):
+        choose_tree(None, AutoTree(max_depth=2, top_ks=(2, 3), sizes=(2, 4)))
+    assert any("no tree beats plain decoding" in r.message for r in caplog.records)
 
 
 # ---- static caches at the request level -------------------------------------------------------------------
