@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, AsyncIterator, Iterator
 
 import torch
@@ -103,6 +103,9 @@ class Request:
 
     Exactly one of ``prompt`` (plain text), ``prompt_ids`` (token ids) or ``messages`` (chat turns rendered
     with the target's chat template) is set.
+
+    ``resume_token_ids`` / ``resume_text``: this request's completion tokens and the exact text already
+    delivered to the client (by a replica that died); the pair continues after them (``PairServer._resume``).
     """
 
     prompt: str | None = None
@@ -113,6 +116,8 @@ class Request:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    resume_token_ids: tuple[int, ...] = ()
+    resume_text: str = ""
 
 
 @dataclass
@@ -171,22 +176,25 @@ class StopStrings:
     """OpenAI ``stop`` sequences on the decoded text: the output ends before the first match, which is not
     returned. In streaming, text that could still become a match is held back until it cannot."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], *, sent: int = 0) -> None:
+        """``sent``: characters the client already has (a resumed request), which are never released again."""
         self.stops = tuple(s for s in stops if s)
         self.text = ""  # everything decoded so far
-        self.sent = 0  # characters released
+        self.sent = sent  # characters released
+        self.stopped = False
 
     def push(self, delta: str) -> tuple[str, bool]:
         """Add decoded text; return (text safe to release, whether a stop sequence was hit)."""
         self.text += delta
         if not self.stops:
-            out, self.sent = self.text[self.sent :], len(self.text)
+            out, self.sent = self.text[self.sent :], max(self.sent, len(self.text))
             return out, False
         hits = [i for i in (self.text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stops) if i >= 0]
         if hits:
             end = min(hits)
             out = self.text[self.sent : end] if end > self.sent else ""
             self.sent = max(self.sent, end)
+            self.stopped = True
             return out, True
         hold = 0  # longest suffix of the text that is a proper prefix of some stop sequence
         for stop in self.stops:
@@ -199,8 +207,49 @@ class StopStrings:
         return out, False
 
     def flush(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
+        if self.stopped:  # nothing from a stop sequence on is ever released
+            return ""
+        out, self.sent = self.text[self.sent :], max(self.sent, len(self.text))
         return out
+
+
+class ContinuedText:
+    """Incremental detokenisation of a resumed request's new tokens, primed with the tokens already delivered,
+    so the text across the seam (a character split between two tokens, a merge with the previous token) is
+    what uninterrupted decoding would have produced. Same rule as the engine's ``eagle.generate._TextDelta``:
+    decode the window since the last released boundary, hold text back while it ends in U+FFFD."""
+
+    def __init__(self, target: Target, delivered_ids: list[int]) -> None:
+        self.target = target
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: text of ids[prefix:read] has been released
+        self.read = 0
+        self.primed = self.push(delivered_ids)  # the delivered tokens' text (what has been released of it)
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        before = self.target.decode(self.ids[self.prefix : self.read])
+        text = self.target.decode(self.ids[self.prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before) :]
+
+
+@dataclass
+class _Resume:
+    """How a request continues after what was already delivered (``Request.resume_token_ids``/``resume_text``).
+
+    ``config`` is None when nothing is left to decode (``finish`` says why); ``text`` is None for a fresh
+    request (the engine's own text deltas are used); ``released``: text the client lacks that is safe to send now.
+    """
+
+    token_ids: list[int]
+    config: GenerationConfig | None
+    finish: str | None
+    stops: StopStrings
+    text: ContinuedText | None = None
+    released: str = ""
 
 
 def _registry_version(spec: str) -> tuple[str, str]:
@@ -395,43 +444,73 @@ class PairServer:
         except EagleError as err:
             raise RequestError(str(err)) from None
 
+    def _resume(self, request: Request, config: GenerationConfig, stop_ids: set[int]) -> _Resume:
+        """Validate ``resume_token_ids``/``resume_text`` and prime the detokeniser and stop strings with them:
+        decoding continues from prompt + delivered tokens with ``max_new_tokens`` reduced by their count, and
+        the text sent next starts right after ``resume_text``."""
+        ids, delivered = list(request.resume_token_ids), request.resume_text
+        if not ids and not delivered:
+            return _Resume([], config, None, StopStrings(request.stop))
+        vocab = self.target.vocab_size
+        if not all(type(t) is int and 0 <= t < vocab for t in ids):
+            raise RequestError(f"resume_token_ids must be token ids in [0, {vocab})", param="resume_token_ids")
+        if not isinstance(delivered, str) or (delivered and not ids):
+            raise RequestError("resume_text must be the text of resume_token_ids", param="resume_text")
+        if len(ids) > config.max_new_tokens:
+            raise RequestError(f"resume_token_ids: {len(ids)} tokens, more than max_tokens ({config.max_new_tokens})", param="resume_token_ids")
+        text = ContinuedText(self.target, ids)
+        if not (text.primed.startswith(delivered) or delivered.startswith(text.primed)):
+            raise RequestError("resume_text is not the text of resume_token_ids", param="resume_text")
+        stops = StopStrings(request.stop, sent=len(delivered))
+        released, hit = stops.push(text.primed)  # the delivered text itself is never sent again
+        left = config.max_new_tokens - len(ids)
+        finish = "stop" if hit or ids[-1] in stop_ids else ("length" if left == 0 else None)
+        return _Resume(ids, replace(config, max_new_tokens=left) if finish is None else None, finish, stops, text, released)
+
     def _run(self, request: Request) -> Iterator[dict[str, Any]]:
-        """The synchronous event stream of one request: a ``start`` event, ``delta`` events, an ``end`` event.
-        Validation errors raise before the first event."""
+        """The synchronous event stream of one request: a ``start`` event, ``delta`` events (each with that
+        step's ``token_ids``, its text possibly empty while held back), an ``end`` event. Validation errors
+        raise before the first event. A resumed request (``_resume``) continues after what was delivered."""
         loaded = self._loaded  # this request keeps this head even if a swap happens meanwhile
         prompt_ids = self._prompt_ids(request)
         config = self._config(request, len(prompt_ids), loaded.decoder)
-        request_id = uuid.uuid4().hex
-        yield {"type": "start", "id": request_id, "prompt_tokens": len(prompt_ids), "head_version": loaded.head_version}
-        started = time.perf_counter()
-        stops = StopStrings(request.stop)
-        steps: list[StepStats] = []
-        tokens = 0
-        finish = "length"
-        first_token_s: float | None = None
         stop_ids = set(config.stop_token_ids or self.target.eos_token_ids)
-        for output in loaded.decoder.stream(prompt_ids, config):
+        resume = self._resume(request, config, stop_ids)
+        request_id = uuid.uuid4().hex
+        yield {"type": "start", "id": request_id, "prompt_tokens": len(prompt_ids), "head_version": loaded.head_version,
+               "replica": _replica_id()}
+        started = time.perf_counter()
+        stops = resume.stops
+        steps: list[StepStats] = []
+        tokens = len(resume.token_ids)
+        finish = resume.finish or "length"
+        first_token_s: float | None = None
+        if resume.released:
+            yield {"type": "delta", "text": resume.released, "token_ids": []}
+        outputs = loaded.decoder.stream(prompt_ids + resume.token_ids, resume.config) if resume.config else iter(())
+        for output in outputs:
             if first_token_s is None:
                 first_token_s = time.perf_counter() - started
             if output.stats is not None:
                 steps.append(output.stats)
             tokens += len(output.token_ids)
-            text, hit = stops.push(output.text)
+            text, hit = stops.push(resume.text.push(output.token_ids) if resume.text else output.text)
             if output.token_ids and output.token_ids[-1] in stop_ids:
                 finish = "stop"
-            if text:
-                yield {"type": "delta", "text": text}
+            if text or output.token_ids:
+                yield {"type": "delta", "text": text, "token_ids": list(output.token_ids)}
             if hit:
                 finish = "stop"
                 break
         else:
             tail = stops.flush()
             if tail:
-                yield {"type": "delta", "text": tail}
+                yield {"type": "delta", "text": tail, "token_ids": []}
         total_s = time.perf_counter() - started
         accepted = sum(s.accepted for s in steps)
         tau = (accepted + len(steps)) / len(steps) if steps else None
-        self._metrics.finished(tokens=tokens, tau=tau if loaded.decoder.head is not None else None, ttft=first_token_s, latency=total_s)
+        generated = tokens - len(resume.token_ids)
+        self._metrics.finished(tokens=generated, tau=tau if loaded.decoder.head is not None else None, ttft=first_token_s, latency=total_s)
         yield {
             "type": "end",
             "finish_reason": finish,
@@ -439,13 +518,15 @@ class PairServer:
             "eagle": {
                 "head_version": loaded.head_version,
                 "speculative": loaded.decoder.head is not None,
-                "target_forwards": len(steps) + 1,  # + the prefill
+                "target_forwards": len(steps) + 1 if resume.config else 0,  # + the prefill
                 "accepted_tokens": accepted,
                 "tau": round(tau, 4) if tau is not None else None,
                 "draft_s": round(sum(s.draft_s for s in steps), 6),
                 "verify_s": round(sum(s.verify_s for s in steps), 6),
                 "time_to_first_token_s": round(first_token_s or 0.0, 6),
                 "total_s": round(total_s, 6),
+                "resumed_tokens": len(resume.token_ids),
+                "replica": _replica_id(),
             },
         }
 
@@ -486,6 +567,16 @@ class PairServer:
         return result
 
 
+def _replica_id() -> str | None:
+    """This Serve replica's unique id (its actor is ``SERVE_REPLICA::<app>#<deployment>#<id>``); None outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - any failure means "not in a replica"
+        return None
+
+
 def pair_spec_from_dict(raw: dict[str, Any]) -> PairSpec:
     raw = dict(raw)
     tree = raw.pop("tree", None) or {}
@@ -494,7 +585,7 @@ def pair_spec_from_dict(raw: dict[str, Any]) -> PairSpec:
 
 def request_from_dict(raw: dict[str, Any]) -> Request:
     raw = dict(raw)
-    for key in ("prompt_ids", "stop"):
+    for key in ("prompt_ids", "stop", "resume_token_ids"):
         if raw.get(key) is not None:
             raw[key] = tuple(raw[key])
     if raw.get("messages") is not None:
