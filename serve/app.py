@@ -100,6 +100,9 @@ class AppArgs(BaseModel):
     backpressure_status: Literal[503, 429] = 503
     request_timeout_s: float = Field(600.0, gt=0)
     ingress_max_ongoing_requests: int = Field(256, ge=1)
+    # failover (serve.openai_api.FailoverPolicy): a request whose replica dies resumes on another one
+    failover_attempts: int = Field(3, ge=0)  # resumes per request (0: no failover)
+    failover_deadline_s: float = Field(120.0, gt=0)  # from the first death, for a resumed attempt to start
 
     @model_validator(mode="after")
     def _unique(self) -> "AppArgs":
@@ -150,4 +153,5 @@ def build_app(args: dict[str, Any] | AppArgs):
         max_ongoing_requests=args.ingress_max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
     )
-    return ingress.bind(pairs, retry_after_s=args.retry_after_s, request_timeout_s=args.request_timeout_s)
+    failover = {"attempts": args.failover_attempts, "deadline_s": args.failover_deadline_s}
+    return ingress.bind(pairs, retry_after_s=args.retry_after_s, request_timeout_s=args.request_timeout_s, failover=failover)

@@ -4,6 +4,11 @@
 FastAPI app. ``serve.app`` makes the ingress a Serve deployment whose clients call the pair deployments
 through ``DeploymentHandle``s; tests can plug in ``LocalPairClient`` (a ``PairServer`` in-process).
 
+Failover: both clients read a pair through ``resumable_stream``, which records what each request has
+delivered and, when its replica dies mid-request, re-issues it with ``resume_token_ids``/``resume_text`` so
+Serve routes it to a live replica that continues it (``serve.pair.PairServer._resume``); streamed and
+non-streamed requests alike (``collect`` assembles the latter), bounded by a ``FailoverPolicy``.
+
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends ``text/event-stream`` chunks ending in ``data: [DONE]``), ``GET /health``. Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed JSON,
@@ -18,7 +23,8 @@ import json
 import logging
 import math
 import time
-from typing import Annotated, Any, AsyncIterator, Literal, Protocol
+from dataclasses import dataclass
+from typing import Annotated, Any, AsyncIterator, Callable, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -163,12 +169,148 @@ def as_api_error(err: BaseException, *, retry_after_s: float) -> APIError:
                             retry_after_s=cause.retry_after_s or retry_after_s)
     except ImportError:  # pragma: no cover - ray is a dependency
         pass
-    if name in {"RayActorError", "ActorDiedError", "ActorUnavailableError", "DeploymentUnavailableError", "RequestCancelledError"}:
+    if name in {"RayActorError", "ActorDiedError", "ActorUnavailableError", "ReplicaUnavailableError", "DeploymentUnavailableError",
+                "RequestCancelledError"}:
         return APIError(503, f"the model's replica is unavailable ({name}); retry", type="server_error",
                         code="unavailable", retry_after_s=retry_after_s)
     logger.exception("unexpected error serving a request", exc_info=err)
     message = str(cause).splitlines()[0] if str(cause) else name
     return APIError(500, f"internal error: {message}", type="server_error", code="internal_error")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Failover: a request whose replica dies continues on another one
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FailoverPolicy:
+    """How often and for how long ``resumable_stream`` resumes a request whose replica died.
+
+    Attributes:
+        attempts: resumes per request; past them the death reaches the client as without failover (503, or an
+            in-stream error event once a stream has started).
+        deadline_s: seconds from the request's first replica death within which a resumed attempt must have
+            started (its replica sent ``start``); a single-replica pair's request waits for Serve's replacement
+            up to this long.
+        backoff_s: pause before the first resume, doubled before each next one, so Serve's router has marked
+            the dead replica before the request is routed again.
+    """
+
+    attempts: int = 3
+    deadline_s: float = 120.0
+    backoff_s: float = 0.25
+
+
+def is_replica_death(err: BaseException) -> bool:
+    """Whether ``err`` says the replica serving a request is gone: Ray's actor errors (``RayActorError`` and
+    its ``ActorDiedError``/``ActorUnavailableError``) or Serve's ``ReplicaUnavailableError``, maybe wrapped in
+    a ``RayTaskError``. Bad requests, back-pressure, cancellation and a deployment that failed are not."""
+    try:
+        from ray.exceptions import RayActorError
+        from ray.serve.exceptions import ReplicaUnavailableError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return any(isinstance(e, (RayActorError, ReplicaUnavailableError)) for e in (err, getattr(err, "cause", None), err.__cause__))
+
+
+def _is_backpressure(err: BaseException) -> bool:
+    try:
+        from ray.serve.exceptions import BackPressureError
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return False
+    return isinstance(getattr(err, "cause", None) or err, BackPressureError)
+
+
+async def _close(events: AsyncIterator[dict[str, Any]]) -> None:
+    """Stop an attempt that will not be read to its end: cancel a Serve call, close a local generator."""
+    try:
+        if callable(getattr(events, "cancel", None)):
+            events.cancel()  # type: ignore[attr-defined]
+        elif callable(getattr(events, "aclose", None)):
+            await events.aclose()  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - best effort: the replica may be gone already
+        logger.debug("closing an abandoned pair stream failed", exc_info=True)
+
+
+async def resumable_stream(open_stream: Callable[[dict[str, Any]], AsyncIterator[dict[str, Any]]], request: dict[str, Any],
+                           policy: FailoverPolicy = FailoverPolicy(), *, name: str = "pair") -> AsyncIterator[dict[str, Any]]:
+    """A pair's events (``start``, ``delta``..., ``end``) that survive the death of the replica serving them.
+
+    Every delta's ``token_ids`` and ``text`` are recorded as they pass. When the stream raises a replica
+    death (``is_replica_death``), the request is opened again with ``resume_token_ids``/``resume_text`` set to
+    what was delivered; Serve routes it to a live replica, whose events continue this stream (its ``start``
+    is swallowed once one was passed on). Bounded by ``policy``, after which the death error propagates; a
+    resumed attempt refused by back-pressure is retried within the same bounds. The ``end`` event's ``eagle``
+    gains ``failovers``: how many times the request was resumed.
+    """
+    token_ids: list[int] = []
+    text: list[str] = []
+    failovers = 0
+    deadline: float | None = None  # set by the first death
+    death: BaseException | None = None
+    request_id: str | None = None
+    attempt = request
+    while True:
+        events = open_stream(attempt)
+        done = started = ended = False
+        try:
+            while True:
+                pending = events.__anext__()
+                try:  # a resumed attempt that waits for a replica waits at most until the deadline
+                    event = await (asyncio.wait_for(pending, max(0.0, deadline - time.monotonic())) if deadline and not started else pending)
+                except StopAsyncIteration:
+                    done = True
+                    return
+                except asyncio.TimeoutError:
+                    raise death from None  # the deadline passed while the resumed attempt waited for a replica
+                started = True
+                if event["type"] == "start":
+                    if request_id is not None:
+                        continue
+                    request_id = event["id"]
+                elif event["type"] == "delta":
+                    token_ids.extend(event.get("token_ids", ()))
+                    text.append(event["text"])
+                elif event["type"] == "end":
+                    event = {**event, "eagle": {**event["eagle"], "failovers": failovers}}
+                    ended = True
+                yield event
+        except Exception as err:  # noqa: BLE001 - anything but a replica death propagates unchanged
+            if ended and is_replica_death(err):  # the answer is complete: a death after it changes nothing
+                done = True
+                return
+            if not (is_replica_death(err) or (failovers and _is_backpressure(err))):
+                raise
+            death = err
+            now = time.monotonic()
+            deadline = deadline or now + policy.deadline_s
+            if failovers >= policy.attempts or now >= deadline:
+                raise
+            failovers += 1
+            logger.warning("%s: the replica serving request %s died (%s) after %d tokens; resuming them on another "
+                           "replica (failover %d of at most %d)", name, request_id, type(err).__name__, len(token_ids),
+                           failovers, policy.attempts)
+            await asyncio.sleep(min(policy.backoff_s * 2 ** (failovers - 1), max(0.0, deadline - now)))
+            attempt = {**request, "resume_token_ids": list(token_ids), "resume_text": "".join(text)}
+        finally:
+            if not done:
+                await _close(events)
+
+
+async def collect(events: AsyncIterator[dict[str, Any]]) -> dict[str, Any]:
+    """A whole answer from a pair's events: ``{"id", "text", "finish_reason", "usage", "eagle"}``."""
+    parts: list[str] = []
+    result: dict[str, Any] = {}
+    async for event in events:
+        if event["type"] == "start":
+            result["id"] = event["id"]
+        elif event["type"] == "delta":
+            parts.append(event["text"])
+        elif event["type"] == "end":
+            result.update(finish_reason=event["finish_reason"], usage=event["usage"], eagle=event["eagle"])
+    result["text"] = "".join(parts)
+    return result
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -183,16 +325,30 @@ class PairClient(Protocol):
     async def health(self) -> None: ...
 
 
-class LocalPairClient:
-    """A ``PairServer`` in this process (tests, single-process use)."""
+class ResumingPairClient:
+    """``stream`` and ``generate`` over ``open_stream`` (one attempt at a request's events), with failover;
+    a non-streamed request runs through the same resumable stream, so it survives a replica death too."""
 
-    def __init__(self, server: PairServer) -> None:
-        self.server = server
+    name = "pair"
+    failover = FailoverPolicy()
 
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        return await self.server.generate(request)
+    def open_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        raise NotImplementedError
 
     def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        return resumable_stream(self.open_stream, request, self.failover, name=self.name)
+
+    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
+        return await collect(self.stream(request))
+
+
+class LocalPairClient(ResumingPairClient):
+    """A ``PairServer`` in this process (tests, single-process use)."""
+
+    def __init__(self, server: PairServer, failover: FailoverPolicy = FailoverPolicy()) -> None:
+        self.server, self.failover, self.name = server, failover, server.spec.model
+
+    def open_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         return self.server.stream(request)
 
     async def info(self) -> dict[str, Any]:
@@ -202,16 +358,14 @@ class LocalPairClient:
         self.server.check_health()
 
 
-class HandlePairClient:
-    """A pair deployment reached through its ``DeploymentHandle`` (Serve routes to a replica)."""
+class HandlePairClient(ResumingPairClient):
+    """A pair deployment reached through its ``DeploymentHandle`` (Serve routes each attempt to a replica)."""
 
-    def __init__(self, handle) -> None:
-        self.handle = handle
+    def __init__(self, handle, failover: FailoverPolicy = FailoverPolicy()) -> None:
+        self.handle, self.failover = handle, failover
+        self.name = getattr(handle, "deployment_name", "pair")
 
-    async def generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        return await self.handle.generate.remote(request)
-
-    def stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    def open_stream(self, request: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         return self.handle.options(stream=True).stream.remote(request)
 
     async def info(self) -> dict[str, Any]:
@@ -230,9 +384,11 @@ class OpenAIIngress:
     """Routes OpenAI requests to pairs by ``model``. ``clients`` maps model id -> PairClient (or a Serve
     ``DeploymentHandle``, wrapped here)."""
 
-    def __init__(self, clients: dict[str, Any], *, retry_after_s: float = 1.0, request_timeout_s: float = 600.0) -> None:
+    def __init__(self, clients: dict[str, Any], *, retry_after_s: float = 1.0, request_timeout_s: float = 600.0,
+                 failover: FailoverPolicy | dict[str, Any] | None = None) -> None:
+        policy = failover if isinstance(failover, FailoverPolicy) else FailoverPolicy(**(failover or {}))
         self.clients: dict[str, PairClient] = {
-            name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client)
+            name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client, policy)
             for name, client in clients.items()
         }
         self.retry_after_s = retry_after_s
@@ -311,7 +467,8 @@ async def _sse_stream(kind: str, model: str, first: dict[str, Any], events: Asyn
     try:
         async for event in events:
             if event["type"] == "delta":
-                yield _sse(chunk(event["text"], None))
+                if event["text"]:  # a delta whose text is held back carries only token ids: nothing to send
+                    yield _sse(chunk(event["text"], None))
             elif event["type"] == "end":
                 yield _sse(chunk(None, event["finish_reason"], extra={"eagle": event["eagle"]}))
                 if include_usage:
@@ -368,9 +525,10 @@ def make_api(ingress: OpenAIIngress):
                 raise APIError(500, "the model ended the stream before it started", type="server_error") from None
             except Exception as err:  # noqa: BLE001 - mapped to an HTTP error
                 raise as_api_error(err, retry_after_s=ingress.retry_after_s) from None
+            replica = {"X-Eagle-Replica": first["replica"]} if first.get("replica") else {}  # the replica that started it
             return StreamingResponse(
                 _sse_stream(kind, body.model, first, events, body.include_usage(), ingress.retry_after_s),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", **replica},
             )
         try:
             result = await asyncio.wait_for(client.generate(payload), timeout=ingress.request_timeout_s)
