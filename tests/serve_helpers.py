@@ -47,6 +47,35 @@ def tiny_head_dir(target_dir: Path, directory: Path, *, seed: int = 0) -> Path:
     return Path(directory)
 
 
+def memorised_head_dir(target: Target, directory: Path, prompts: list[str], max_new_tokens: int, *, steps: int = 80) -> Path:
+    """A head trained on the greedy continuations of ``prompts`` only, so on them its drafts are mostly right
+    and decode steps accept several tokens (random heads accept ~none): what resuming inside a step needs."""
+    from eagle.generate import Decoder, GenerationConfig
+    from eagle.loss import LossConfig, eagle_loss
+
+    rows = []
+    for prompt in prompts:
+        ids = target.tokenizer.encode(prompt)
+        rows.append(ids + Decoder(target, None).generate(ids, GenerationConfig(max_new_tokens=max_new_tokens)).token_ids)
+    length = min(len(row) for row in rows)
+    tokens = torch.tensor([row[:length] for row in rows], device=target.device)  # [B, n]
+    with torch.no_grad():
+        features = target.backbone(input_ids=tokens).last_hidden_state  # [B, n, hidden]
+    head = EagleHead.for_target(target, seed=0)
+    head.train()
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(steps):
+            loss, _ = eagle_loss(head, features, tokens, torch.ones_like(tokens), LossConfig(noise=0.0))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    head.eval()
+    head.save_pretrained(directory)
+    return Path(directory)
+
+
 def plain_text(target: Target, prompt_ids: list[int], max_new_tokens: int) -> str:
     """Greedy plain decoding (no head) of ``prompt_ids``, decoded: what the API must return at T=0."""
     from eagle.generate import Decoder, GenerationConfig

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -12,7 +13,7 @@ from fastapi.testclient import TestClient
 from eagle.target import load_target
 from serve.openai_api import LocalPairClient, OpenAIIngress, make_api
 from serve.pair import PairServer, PairSpec, Request, RequestError, StopStrings
-from serve_helpers import plain_text, register_head, tiny_chat_target_dir, tiny_head_dir
+from serve_helpers import memorised_head_dir, plain_text, register_head, tiny_chat_target_dir, tiny_head_dir
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +234,209 @@ def test_loadtest_percentiles():
     assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.99) == pytest.approx(4.96)
     assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) is None
+
+
+# ---- failover: resume in the pair, retry in the ingress -------------------------------------------------
+
+MEMO_PROMPTS = ["The capital of France is", "Once upon a time there"]
+
+
+@pytest.fixture(scope="module")
+def memo(pairs, tmp_path_factory):
+    """Pair "memo" on pair a's target: a head that memorised the greedy continuations of MEMO_PROMPTS, so its
+    decode steps accept several tokens there (a cut can fall inside a step)."""
+    target = pairs["a"].target
+    head_dir = memorised_head_dir(target, tmp_path_factory.mktemp("memo") / "head", MEMO_PROMPTS, 48)
+    server = PairServer(PairSpec(model="memo", target=pairs["a"].spec.target, head=str(head_dir), dtype="float32", max_tokens=64, compile="off"), target=target)
+    yield server
+    server.shutdown()
+
+
+def pair_events(server: PairServer, request: dict) -> list[dict]:
+    async def run():
+        return [event async for event in server.stream(request)]
+
+    return asyncio.run(run())
+
+
+def delta_text(events: list[dict]) -> str:
+    return "".join(e["text"] for e in events if e["type"] == "delta")
+
+
+def cut_points(deltas: list[dict], target) -> list[tuple[int, str]]:
+    """(tokens delivered, text delivered) where a replica could have died: before any token, at step
+    boundaries (what the ingress records), inside multi-token steps (the text of the steps before, or the
+    whole text of the cut's tokens), and after the last token."""
+    sizes = [len(d["token_ids"]) for d in deltas]
+    ids = [t for d in deltas for t in d["token_ids"]]
+    boundaries = [(sum(sizes[:i]), "".join(d["text"] for d in deltas[:i])) for i in range(len(deltas) + 1)]
+    inside = [(k + 1, text) for (k, text), size in zip(boundaries, sizes) if size >= 2]
+    cuts = [boundaries[0], boundaries[1], boundaries[len(boundaries) // 2], boundaries[-1], inside[0], inside[-1]]
+    cuts.append((inside[len(inside) // 2][0], target.decode(ids[: inside[len(inside) // 2][0]]).rstrip("\ufffd")))
+    return cuts
+
+
+def test_a_resumed_request_continues_exactly_after_the_delivered_text(memo):
+    """At T=0, resuming after any cut gives delivered text + the resumed pair's text = the uninterrupted text,
+    and the end event counts the whole completion; also with a stop sequence after (or across) the cut."""
+    base = {"prompt": MEMO_PROMPTS[0], "max_tokens": 48, "temperature": 0}
+    plain = delta_text(pair_events(memo, base))
+    assert plain == plain_text(memo.target, memo.target.tokenizer.encode(base["prompt"]), 48)
+    stop = plain[2 * len(plain) // 3 :][:3]
+    for request in (base, {**base, "stop": [stop]}):
+        events = pair_events(memo, request)
+        deltas = [e for e in events if e["type"] == "delta"]
+        full, end = delta_text(events), events[-1]
+        ids = [t for d in deltas for t in d["token_ids"]]
+        assert max(len(d["token_ids"]) for d in deltas) >= 2  # multi-token steps, so some cuts fall inside one
+        for k, delivered in cut_points(deltas, memo.target):
+            resumed = pair_events(memo, {**request, "resume_token_ids": ids[:k], "resume_text": delivered})
+            where = (request.get("stop"), k, delivered)
+            assert resumed[0]["type"] == "start" and resumed[0]["prompt_tokens"] == events[0]["prompt_tokens"]
+            assert all("token_ids" in e for e in resumed if e["type"] == "delta")
+            assert delivered + delta_text(resumed) == full, where
+            last = resumed[-1]
+            assert last["finish_reason"] == end["finish_reason"] and last["eagle"]["resumed_tokens"] == k, where
+            if "stop" not in request:  # with a stop sequence the last step's extra tokens depend on where steps fall
+                assert last["usage"] == end["usage"] and end["usage"]["completion_tokens"] == len(ids) == 48, where
+                assert ids[:k] + [t for e in resumed if e["type"] == "delta" for t in e["token_ids"]] == ids, where
+    assert end["finish_reason"] == "stop" and full == plain[: plain.index(stop)]
+
+
+def test_resumed_text_is_exact_across_a_character_split_between_tokens(memo):
+    """Delivered tokens that end inside a multi-byte character (its first bytes' token): the resumed text
+    continues the whole completion's text, as if decoding had never stopped (a detokeniser started afresh on
+    the new tokens would drop the split character)."""
+    target = memo.target
+    text = "Café 😀 and 成都"
+    ids = target.tokenizer.encode(text)
+    splits = [k for k in range(1, len(ids)) if target.decode(ids[:k]).endswith("\ufffd")]
+    assert splits, [target.decode([i]) for i in ids]
+    for k in splits[:2]:
+        delivered = target.decode(ids[:k]).rstrip("\ufffd")
+        resumed = pair_events(memo, {"prompt": "Say:", "max_tokens": 12, "temperature": 0, "resume_token_ids": ids[:k], "resume_text": delivered})
+        new_ids = [t for e in resumed if e["type"] == "delta" for t in e["token_ids"]]
+        assert delivered + delta_text(resumed) == target.decode(ids[:k] + new_ids), k
+        assert resumed[-1]["usage"]["completion_tokens"] == k + len(new_ids) <= 12
+
+
+@pytest.mark.parametrize("resume", [
+    {"resume_token_ids": [-1]},
+    {"resume_token_ids": [10**6]},
+    {"resume_token_ids": ["7"]},
+    {"resume_token_ids": [True]},
+    {"resume_text": "text without tokens"},
+    {"resume_token_ids": [42], "resume_text": "certainly not the text of token 42"},
+    {"resume_token_ids": [42] * 9},  # more than max_tokens
+])
+def test_bad_resume_fields_are_request_errors(memo, resume):
+    from serve.openai_api import as_api_error
+
+    with pytest.raises(RequestError) as err:
+        pair_events(memo, {"prompt": "x", "max_tokens": 8, "temperature": 0, **resume})
+    assert err.value.param in ("resume_token_ids", "resume_text")
+    assert as_api_error(err.value, retry_after_s=1).status == 400
+
+
+class DyingPairClient(LocalPairClient):
+    """The real pair in-process behind the ingress's own failover (``ResumingPairClient``), whose first
+    ``deaths`` attempts die after ``after`` events with Ray's ActorDiedError, as when a replica's process is
+    killed mid-request; ``hang`` makes each attempt after the deaths wait forever instead (no replica)."""
+
+    def __init__(self, server: PairServer, *, after: int, deaths: int, hang: bool = False, **kwargs) -> None:
+        super().__init__(server, **kwargs)
+        self.after, self.deaths, self.hang = after, deaths, hang
+        self.attempts: list[dict] = []
+
+    def open_stream(self, request):
+        self.attempts.append(request)
+        events = self.server.stream(request)
+        if len(self.attempts) > self.deaths:
+            return self._hung() if self.hang else events
+        return self._dies(events)
+
+    async def _dies(self, events):
+        from ray.exceptions import ActorDiedError
+
+        sent = 0
+        async for event in events:
+            if sent == self.after:
+                await events.aclose()
+                raise ActorDiedError()
+            sent += 1
+            yield event
+        raise ActorDiedError()
+
+    async def _hung(self):
+        await asyncio.sleep(3600)
+        yield {}
+
+
+def failover_client(server: PairServer, **kwargs) -> tuple[TestClient, DyingPairClient]:
+    from serve.openai_api import FailoverPolicy
+
+    policy = kwargs.pop("failover", FailoverPolicy(attempts=3, deadline_s=30, backoff_s=0.01))
+    dying = DyingPairClient(server, failover=policy, **kwargs)
+    return TestClient(make_api(OpenAIIngress({"memo": dying}))), dying
+
+
+@pytest.mark.parametrize("after", [0, 1, 3, 7])
+def test_the_ingress_resumes_a_request_whose_replica_died(memo, after, caplog):
+    """Two deaths, after ``after`` events of each attempt: the streamed and the non-streamed answer are the
+    uninterrupted text, with no error event; each failover is logged with the tokens resumed and counted."""
+    import logging
+
+    prompt = MEMO_PROMPTS[1]
+    expected = plain_text(memo.target, memo.target.tokenizer.encode(prompt), 40)
+    body = {"model": "memo", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+    caplog.set_level(logging.WARNING, logger="serve.openai_api")
+    http, dying = failover_client(memo, after=after, deaths=2)
+    with http, http.stream("POST", "/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == expected
+    final = next(e for e in events[:-1] if e["choices"] and e["choices"][0]["finish_reason"])
+    assert final["eagle"]["failovers"] == 2 and events[-2]["usage"]["completion_tokens"] == 40
+    resumed = [len(a.get("resume_token_ids", [])) for a in dying.attempts]
+    assert len(resumed) == 3 and resumed[0] == 0 and resumed == sorted(resumed)
+    assert final["eagle"]["resumed_tokens"] == resumed[-1]
+    assert all(a.get("resume_text", "") == expected[: len(a.get("resume_text", ""))] for a in dying.attempts)
+    logged = [r.getMessage() for r in caplog.records if "resuming" in r.getMessage()]
+    assert len(logged) == 2 and f"after {resumed[1]} tokens" in logged[0]
+
+    http, dying = failover_client(memo, after=after, deaths=1)
+    with http:
+        whole = http.post("/v1/completions", json=body)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["text"] == expected and whole.json()["eagle"]["failovers"] == 1
+    assert whole.json()["usage"]["completion_tokens"] == 40 and len(dying.attempts) == 2
+
+
+def test_failover_is_bounded_and_never_retries_a_bad_request(memo):
+    from serve.openai_api import FailoverPolicy
+
+    body = {"model": "memo", "prompt": MEMO_PROMPTS[0], "max_tokens": 24, "temperature": 0}
+    # attempts run out: the death reaches the client as it did without failover
+    http, dying = failover_client(memo, after=2, deaths=10, failover=FailoverPolicy(attempts=2, deadline_s=30, backoff_s=0.01))
+    with http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unavailable" and len(dying.attempts) == 3
+    http, dying = failover_client(memo, after=0, deaths=10, failover=FailoverPolicy(attempts=2, deadline_s=30, backoff_s=0.01))
+    with http:
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "unavailable" and len(dying.attempts) == 3
+    # the deadline: a resumed attempt that waits for a replica gives up when it passes
+    http, dying = failover_client(memo, after=3, deaths=1, hang=True, failover=FailoverPolicy(attempts=5, deadline_s=1.0, backoff_s=0.01))
+    started = time.monotonic()
+    with http, http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = sse_events(response)
+    assert 1.0 <= time.monotonic() - started < 10 and events[-2]["error"]["code"] == "unavailable" and len(dying.attempts) == 2
+    # a bad request is answered 400 at once, never retried
+    http, dying = failover_client(memo, after=0, deaths=10)
+    with http:
+        for request in ({**body, "max_tokens": 65}, {**body, "max_tokens": 65, "stream": True}):
+            response = http.post("/v1/completions", json=request)
+            assert response.status_code == 400, response.text
+    assert len(dying.attempts) == 2
