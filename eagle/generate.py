@@ -66,6 +66,8 @@ class StepStats:
     tree_size: int  # draft nodes verified (0 for plain decoding)
     draft_s: float
     verify_s: float
+    batch: int = 1  # requests in the step's target forward (``eagle.batch``; their times are split evenly)
+    policy: str = "draft"  # what the batch's speculation policy chose: "draft", "explore" or "plain"
 
 
 @dataclass

@@ -263,9 +263,9 @@ class LeanHead(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
         weight = self.fc.weight
-        return KVCache(len(self.layers), self.shape, capacity, weight.dtype, weight.device)
+        return KVCache(len(self.layers), self.shape, capacity, weight.dtype, weight.device, rows)
 
     def forward(
         self,
@@ -296,6 +296,14 @@ class LeanHead(nn.Module):
         and target ids ``[q, k]``)."""
         hidden = self.forward(features, next_tokens, positions, slots, mask, keys, values)[0]
         return (hidden, *self.propose(hidden, k))
+
+    def expand_rows(self, features, next_tokens, positions, slots, mask, keys, values, k: int):
+        """``expand`` over a batch (``eagle.batch``): predicted features ``[B, q, hidden]``, children's
+        log-probabilities and target ids ``[B, q, k]``."""
+        hidden = self.forward(features, next_tokens, positions, slots, mask, keys, values)
+        batch, q = next_tokens.shape
+        logp, ids = self.propose(hidden.reshape(batch * q, -1), k)
+        return hidden, logp.reshape(batch, q, k), ids.reshape(batch, q, k)
 
 
 def draft_vocab_from_counts(counts: torch.Tensor, size: int, always: Iterable[int] = ()) -> torch.Tensor:

@@ -52,26 +52,44 @@ class AttentionShape:
 
 
 class KVCache:
-    """Per-layer key and value buffers ``[1, kv_heads, capacity, head_dim]``, written in place.
+    """Per-layer key and value buffers ``[rows, kv_heads, capacity, head_dim]``, written in place.
 
-    Slot ``i`` holds position ``i`` of the committed sequence once the decoder has committed it; slots past
-    the committed length hold scratch (tree nodes being verified, padding) that no mask lets anyone see.
+    One row per sequence (``rows=1`` for a single request; ``eagle.batch`` keeps one row per request of a
+    batch, the padded-static-slots layout). In a row, slot ``i`` holds position ``i`` of the committed
+    sequence once the decoder has committed it; slots past the committed length hold scratch (tree nodes
+    being verified, padding) that no mask lets anyone see.
     """
 
-    def __init__(self, layers: int, shape: AttentionShape, capacity: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, layers: int, shape: AttentionShape, capacity: int, dtype: torch.dtype, device, rows: int = 1) -> None:
         self.capacity = capacity
-        size = (1, shape.kv_heads, capacity, shape.head_dim)
+        self.rows = rows
+        size = (rows, shape.kv_heads, capacity, shape.head_dim)
         with torch.inference_mode():  # inference tensors whoever allocates: the compiled graphs guard on it
             self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
             self.values = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
 
-    def compact(self, keep: int, source: torch.Tensor) -> None:
-        """Move the slots ``source`` (ascending, all >= ``keep``) to ``keep, keep + 1, ...`` in every layer:
-        after verification the accepted path follows the committed prefix without recomputation (EAGLE-2's
-        KV update, arXiv 2406.16858). The gather reads before it writes, so overlapping ranges are safe."""
-        end = keep + source.numel()
+    def row(self, index: int) -> "KVCache":
+        """Row ``index`` as a one-row cache sharing this cache's memory (views, written in place)."""
+        view = KVCache.__new__(KVCache)
+        view.capacity, view.rows = self.capacity, 1
+        view.keys = [buffer[index : index + 1] for buffer in self.keys]
+        view.values = [buffer[index : index + 1] for buffer in self.values]
+        return view
+
+    def move_row(self, source: int, target: int) -> None:
+        """Copy row ``source`` over row ``target`` (a batch keeps its live rows first)."""
         for buffer in (*self.keys, *self.values):
-            buffer[:, :, keep:end] = buffer.index_select(2, source)
+            buffer[target] = buffer[source]
+
+    def compact_rows(self, rows: torch.Tensor, keep: torch.Tensor, source: torch.Tensor, counts: torch.Tensor) -> None:
+        """``compact`` for several rows at once: in row ``rows[i]``, the ``counts[i]`` slots ``source[i]``
+        (``[n, L]``, ascending, each >= ``keep[i]``; entries past ``counts[i]`` repeat the last one) move to
+        ``keep[i], keep[i] + 1, ...``; one gather then one scatter per buffer."""
+        steps = torch.minimum(torch.arange(source.shape[1], device=source.device)[None], (counts - 1)[:, None])
+        target = keep[:, None] + steps  # [n, L]: padding repeats the last target (the same value twice)
+        for buffer in (*self.keys, *self.values):
+            moved = buffer[rows[:, None], :, source]  # [n, L, kv_heads, head_dim]
+            buffer[rows[:, None], :, target] = moved
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -125,12 +143,12 @@ class LeanLayer(nn.Module):
         residual: torch.Tensor,  # [1, q, hidden]: the residual stream entering the layer
         cos: torch.Tensor,  # [1, 1, q, head_dim]
         sin: torch.Tensor,
-        slots: torch.Tensor,  # [q] cache slots written by these tokens
-        mask: torch.Tensor,  # [1, 1, q, kv] bool: True = may attend; kv <= capacity
-        keys: torch.Tensor,  # [1, kv_heads, capacity, head_dim]
+        slots: torch.Tensor,  # [q] cache slots written by these tokens (batch 1), or [B, q]: per row
+        mask: torch.Tensor,  # [B, 1, q, kv] bool: True = may attend; kv <= capacity
+        keys: torch.Tensor,  # [rows >= B, kv_heads, capacity, head_dim]: rows 0..B-1 are this batch's
         values: torch.Tensor,
     ) -> torch.Tensor:
-        """The layer's output residual stream ``[1, q, hidden]``; writes this step's keys and values."""
+        """The layer's output residual stream ``[B, q, hidden]``; writes this step's keys and values."""
         batch, q, _ = residual.shape
         shape = self.shape
         x = rms_norm(residual, self.input_norm.weight, self.eps)
@@ -143,11 +161,16 @@ class LeanLayer(nn.Module):
         query, key = query.transpose(1, 2), key.transpose(1, 2)  # [1, heads, q, head_dim]
         query = query * cos + _rotate_half(query) * sin
         key = key * cos + _rotate_half(key) * sin
-        keys.index_copy_(2, slots, key)
-        values.index_copy_(2, slots, value)
+        if slots.dim() == 1:
+            keys.index_copy_(2, slots, key)
+            values.index_copy_(2, slots, value)
+        else:  # per-row slots: row b writes its q tokens at slots[b]
+            index = slots[:, None, :, None].expand(batch, shape.kv_heads, q, shape.head_dim)
+            keys[:batch].scatter_(2, index, key)
+            values[:batch].scatter_(2, index, value)
         kv = mask.shape[-1]  # the committed length + this step on CPU; the whole buffer on CUDA (eagle.compile)
         attended = F.scaled_dot_product_attention(
-            query, keys[:, :, :kv], values[:, :, :kv], attn_mask=mask, scale=self.scale,
+            query, keys[:batch, :, :kv], values[:batch, :, :kv], attn_mask=mask, scale=self.scale,
             enable_gqa=shape.heads != shape.kv_heads,
         )  # [1, heads, q, head_dim]
         residual = residual + self.o_proj(attended.transpose(1, 2).reshape(batch, q, shape.heads * shape.head_dim))
@@ -177,20 +200,20 @@ class LeanModel(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
         self.rescore = weight.dtype in (torch.bfloat16, torch.float16)
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
         weight = self.lm_head.weight
-        return KVCache(len(self.layers), self.shape, capacity, weight.dtype, weight.device)
+        return KVCache(len(self.layers), self.shape, capacity, weight.dtype, weight.device, rows)
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [1, q]
-        positions: torch.Tensor,  # [1, q]
-        slots: torch.Tensor,  # [q]
-        mask: torch.Tensor,  # [1, 1, q, kv] bool
+        input_ids: torch.Tensor,  # [B, q]
+        positions: torch.Tensor,  # [B, q]
+        slots: torch.Tensor,  # [q] (B = 1) or [B, q]
+        mask: torch.Tensor,  # [B, 1, q, kv] bool
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Features ``[1, q, hidden]``."""
+        """Features ``[B, q, hidden]``."""
         residual = self.embed_tokens(input_ids)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [1, 1, q, head_dim]
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
@@ -203,6 +226,15 @@ class LeanModel(nn.Module):
         features = self.forward(input_ids, positions, slots, mask, keys, values)[0]
         logits = self.lm_head(features)
         return features, logits.float(), self.greedy(features, logits)
+
+    def step_rows(self, input_ids, positions, slots, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``step`` over a batch (``eagle.batch``): (features ``[B, q, hidden]``, logits ``[B, q, V]``
+        float32, greedy ids ``[B, q]``); row b reads and writes only cache row b."""
+        features = self.forward(input_ids, positions, slots, mask, keys, values)
+        logits = self.lm_head(features)
+        batch, q = input_ids.shape
+        greedy = self.greedy(features.reshape(batch * q, -1), logits.reshape(batch * q, -1))
+        return features, logits.float(), greedy.reshape(batch, q)
 
     def greedy(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Argmax per row ``[q]``. In bf16/fp16 the LM head's output is rounded to a few bits, so candidates

@@ -24,6 +24,9 @@ ROPE_TABLE_LIMIT = 1 << 15  # positions tabulated for the rotary embedding (the 
 _STEP_DYNAMIC = {3: 3, 4: 2, 5: 2}
 # the head's forward / expand(features, next_tokens, positions, slots, mask, keys, values[, k]): the same dims
 _HEAD_DYNAMIC = {4: 3, 5: 2, 6: 2}
+# the batched functions (eagle.batch): the batch (dim 0 of every input and of the mask, the cache's rows) too
+_STEP_ROWS_DYNAMIC = {0: 0, 1: 0, 2: 0, 3: (0, 3), 4: (0, 2), 5: (0, 2)}
+_HEAD_ROWS_DYNAMIC = {0: 0, 1: 0, 2: 0, 3: 0, 4: (0, 3), 5: (0, 2), 6: (0, 2)}
 
 
 def context_limit(target: Target) -> int:
@@ -48,6 +51,7 @@ class TargetRuntime:
         self.compile = compile
         self.model = LeanModel(target.backbone, target.lm_head, target.config, context_limit(target))
         self._steps: dict[int, CompiledFunction] = {}
+        self._step_rows: dict[int, CompiledFunction] = {}
 
     def step(self, width: int) -> CompiledFunction:
         """``LeanModel.step`` over ``width`` tokens: (features ``[w, h]``, logits ``[w, V]``, greedy ids ``[w]``)."""
@@ -57,8 +61,16 @@ class TargetRuntime:
             )
         return self._steps[width]
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return self.model.new_cache(capacity)
+    def step_rows(self, width: int) -> CompiledFunction:
+        """``LeanModel.step_rows`` over a batch of rows ``width`` tokens wide (one graph for every batch size)."""
+        if width not in self._step_rows:
+            self._step_rows[width] = CompiledFunction(
+                (self.model, "step_rows"), f"{self.target.name} step_rows[{width}]", self.compile, self.target.device, _STEP_ROWS_DYNAMIC
+            )
+        return self._step_rows[width]
+
+    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
+        return self.model.new_cache(capacity, rows)
 
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -69,7 +81,7 @@ class TargetRuntime:
         return self.model(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:
-        return {f.name: f.compile_s for f in self._steps.values() if f.compile_s is not None}
+        return {f.name: f.compile_s for f in (*self._steps.values(), *self._step_rows.values()) if f.compile_s is not None}
 
 
 class HeadRuntime:
@@ -83,6 +95,22 @@ class HeadRuntime:
         self.label = f"{target.name} head"
         self._expand: dict[int, CompiledFunction] = {}
         self._advance: dict[int, CompiledFunction] = {}
+        self._expand_rows: dict[int, CompiledFunction] = {}
+        self._advance_rows: dict[int, CompiledFunction] = {}
+
+    def expand_rows(self, width: int) -> CompiledFunction:
+        if width not in self._expand_rows:
+            self._expand_rows[width] = CompiledFunction(
+                (self.lean, "expand_rows"), f"{self.label} expand_rows[{width}]", self.compile, self.device, _HEAD_ROWS_DYNAMIC
+            )
+        return self._expand_rows[width]
+
+    def advance_rows(self, width: int) -> CompiledFunction:
+        if width not in self._advance_rows:
+            self._advance_rows[width] = CompiledFunction(
+                (self.lean, "forward"), f"{self.label} advance_rows[{width}]", self.compile, self.device, _HEAD_ROWS_DYNAMIC
+            )
+        return self._advance_rows[width]
 
     def expand(self, width: int) -> CompiledFunction:
         if width not in self._expand:
@@ -94,8 +122,8 @@ class HeadRuntime:
             self._advance[width] = CompiledFunction((self.lean, "forward"), f"{self.label} advance[{width}]", self.compile, self.device, _HEAD_DYNAMIC)
         return self._advance[width]
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return self.lean.new_cache(capacity)
+    def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
+        return self.lean.new_cache(capacity, rows)
 
     @torch.inference_mode()
     def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -107,7 +135,8 @@ class HeadRuntime:
         return self.lean(features[None], next_tokens[None], positions[None], positions, mask, cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:
-        return {f.name: f.compile_s for f in (*self._expand.values(), *self._advance.values()) if f.compile_s is not None}
+        functions = (*self._expand.values(), *self._advance.values(), *self._expand_rows.values(), *self._advance_rows.values())
+        return {f.name: f.compile_s for f in functions if f.compile_s is not None}
 
 
 def target_runtime(target: Target, compile: CompileConfig) -> TargetRuntime:

@@ -433,3 +433,101 @@ def _build(root: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, parents
     node_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths[keep]])
     node_scores = torch.cat([torch.zeros(1, dtype=scores.dtype, device=device), scores[keep]])
     return DraftTree(torch.cat([root.reshape(1), tokens[keep]]), node_parents, node_depths, scores=node_scores)
+
+
+# --------------------------------------------------------------------------------------------------
+# Batched drafting (eagle.batch): the same algorithm with a leading batch dimension
+# --------------------------------------------------------------------------------------------------
+
+
+def rows_mask(prefix: torch.Tensor, sees_prefix: torch.Tensor, local: torch.Tensor, kv: int) -> torch.Tensor:
+    """Bool ``[B, q, kv]`` for a batch whose rows sit at different lengths: in row b, query i sees the
+    first ``prefix[b]`` slots when ``sees_prefix[b, i]``, and slot ``prefix[b] + j`` when ``local[b, i, j]``
+    (``local``: ``[B, q, L]``); nothing past ``prefix[b] + L``. Row b of ``padded_mask`` generalised to
+    per-row prefixes: the tree (or causal) block of every row sits right after its own prefix."""
+    batch, q, length = local.shape
+    rel = torch.arange(kv, device=prefix.device)[None, None] - prefix[:, None, None]  # [B, 1, kv]
+    inside = (rel >= 0) & (rel < length)
+    block = local.gather(2, rel.clamp(0, length - 1).expand(batch, q, kv)) & inside
+    return block | ((rel < 0) & sees_prefix[:, :, None])
+
+
+@torch.inference_mode()
+def draft_tree_rows(
+    head: "LeanHead",
+    expand_rows,  # callable: the head's (compiled) ``LeanHead.expand_rows`` at ``spec.expand_width`` rows
+    cache: "KVCache",  # the batch's head cache: row b holds request b's ``prefix[b]`` committed positions
+    last_hidden: torch.Tensor,  # [B, hidden]
+    roots: torch.Tensor,  # [B] long
+    prefix: torch.Tensor,  # [B] long: committed head positions of each row
+    spec: StaticTree | DynamicTree,
+) -> list[DraftTree]:
+    """``draft_tree`` for B >= 2 requests at once: one head call per depth over ``[B, W]`` rows, each row's
+    scratch slots right after its own prefix. Row b's tree is the tree ``draft_tree`` drafts for request b
+    alone (same candidates, same scores, same reranking; tested in tests/test_batch.py)."""
+    device = last_hidden.device
+    batch = roots.numel()
+    static = isinstance(spec, StaticTree)
+    width, k = spec.expand_width, spec.top_k
+    plan, plan_expand = _static_plan(spec, device) if static else (None, None)
+    hidden_size = last_hidden.shape[-1]
+    logp, ids = head.propose(last_hidden, k)  # [B, k]
+    logp, ids = logp[:, None], ids[:, None]  # [B, E=1, k]
+    hidden_rows = last_hidden[:, None]  # [B, E, hidden]
+    expanded_score = torch.zeros(batch, 1, dtype=torch.float64, device=device)
+    expanded_node = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    expanded_ancestry = torch.zeros(batch, 1, 0, dtype=torch.bool, device=device)  # [B, E, fed so far]
+    tokens, scores, parents, depths = [], [], [], []
+    count = 0
+    own = torch.eye(width, dtype=torch.bool, device=device)[None].expand(batch, width, width)
+    for depth in range(1, spec.depth + 1):
+        if static:
+            level = plan[depth - 1]
+        else:
+            rows = torch.arange(expanded_node.shape[1], device=device)
+            level = _Level(rows.repeat_interleave(k), torch.arange(k, device=device).repeat(rows.numel()))
+        child_score = expanded_score[:, level.rows] + logp[:, level.rows, level.ranks].double()  # [B, n]
+        tokens.append(ids[:, level.rows, level.ranks])
+        scores.append(child_score)
+        parents.append(expanded_node[:, level.rows])
+        depths.append(torch.full_like(tokens[-1], depth))
+        child_nodes = torch.arange(count, count + level.rows.numel(), device=device)
+        count += level.rows.numel()
+        if depth == spec.depth:
+            break
+        if static:
+            chosen = plan_expand[depth - 1][None].expand(batch, -1)
+        else:
+            chosen = child_score.topk(min(k, child_score.shape[1]), dim=1).indices  # [B, e]
+        if chosen.shape[1] == 0:
+            break
+        e = chosen.shape[1]
+        parent_rows = level.rows[chosen]  # [B, e]
+        feed_features = torch.zeros(batch, width, hidden_size, dtype=hidden_rows.dtype, device=device)
+        feed_features[:, :e] = hidden_rows.gather(1, parent_rows[..., None].expand(batch, e, hidden_size))
+        feed_tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        feed_tokens[:, :e] = tokens[-1].gather(1, chosen)
+        fed_before = (depth - 1) * width
+        ancestry_rows = torch.zeros(batch, width, fed_before, dtype=torch.bool, device=device)
+        if fed_before:
+            ancestry_rows[:, :e] = expanded_ancestry.gather(1, parent_rows[..., None].expand(batch, e, fed_before))
+        expanded_ancestry = torch.cat([ancestry_rows, own], dim=2)  # [B, W, fed_before + W]
+        kv = int(prefix.max()) + fed_before + width
+        sees = torch.ones(batch, width, dtype=torch.bool, device=device)
+        mask = rows_mask(prefix, sees, expanded_ancestry, kv)
+        slots = prefix[:, None] + fed_before + torch.arange(width, device=device)[None]
+        positions = (prefix + depth - 1)[:, None].expand(batch, width).contiguous()
+        hidden_rows, logp, ids = expand_rows(feed_features, feed_tokens, positions, slots, mask[:, None], cache.keys, cache.values, k)
+        hidden_rows, logp, ids = hidden_rows[:, :e], logp[:, :e], ids[:, :e]
+        expanded_ancestry = expanded_ancestry[:, :e]
+        expanded_score = child_score.gather(1, chosen)
+        expanded_node = child_nodes[chosen]
+
+    all_tokens, all_scores = torch.cat(tokens, dim=1), torch.cat(scores, dim=1)
+    all_parents, all_depths = torch.cat(parents, dim=1), torch.cat(depths, dim=1)
+    if static:
+        keep = torch.arange(all_tokens.shape[1], device=device)[None].expand(batch, -1)
+    else:
+        key = all_scores - _DEPTH_TIE_BREAK * all_depths.double()
+        keep = key.topk(min(spec.total_tokens, key.shape[1]), dim=1).indices.sort(dim=1).values
+    return [_build(roots[b], keep[b], all_tokens[b], all_parents[b], all_depths[b], all_scores[b]) for b in range(batch)]

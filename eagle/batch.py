@@ -1,0 +1,645 @@
+"""Continuous batching: every live request of a replica advances by one step per target forward.
+
+``BatchDecoder`` runs the decode loop of ``eagle.generate.Decoder`` for many requests at once. Requests
+join (prefill, then the next step) and leave (a stop token, their ``max_new_tokens``, a cancel) between
+steps. Each request keeps its own tree (its own tokens, its own accepted length), its own sampling
+settings, seed and stop rules; a step is
+
+1. *policy*: draft this step or not (``SpeculationPolicy``: measured costs and the acceptance seen so far);
+2. *catch-up*: the head consumes the target's features of every row's newly committed tokens
+   (batched, one head forward);
+3. *draft*: one batched tree per row (``eagle.tree.draft_tree_rows``: one head call per depth for all rows),
+   or only the root when the policy says no;
+4. *verify*: one target forward over ``[B, W]`` tokens, row b's tree in row b, under a per-row tree mask
+   over the batched KV cache (``KVCache`` with one row per request: padded static slots, each row at its
+   own length; the mask of row b is row b's ``padded_mask``, so rows never see each other: the batch is
+   block-diagonal);
+5. *accept*: per row, greedy or speculative-sampling verification (``eagle.verify``), then one batched
+   compaction of the accepted paths.
+
+Layout choice (padded rows, not a paged pool): on this CPU a pool shared by all rows would make each
+query attend over every request's slots (B times the attention work of a row that sees only its own);
+padded rows cost memory (``max_batch`` x capacity slots) but keep attention per row and let the
+compiled graphs (``eagle.compile``: one per width, the batch a dynamic dimension) serve every batch.
+A batch of one runs the single-request graphs on row 0.
+
+Lossless per request: a row's tokens depend only on its own cache row and its own random stream, so each
+request's greedy output equals its batch-1 plain decoding (tests/test_batch.py, fp32), and at T > 0 each
+row is the single-request speculative sampler (distribution test in the same file).
+
+Seeding: a request with a ``seed`` draws each step's randomness from a generator seeded with (seed, the
+absolute position of the step's first new token) (``step_seed``), so its output is a function of the
+prompt, the settings, the seed and the tokens so far, whatever the batch, and a request resumed from
+the tokens already sent continues as the uninterrupted run would (``serve`` failover).
+
+Owns: ``BatchDecoder``, ``BatchRequest``, ``SpeculationPolicy``, ``step_seed``.
+Does not own: the single-request loop (``generate.py``, whose pieces it reuses: runtimes, trees, stop
+rules, request checks), HTTP or threads (``serve.pair`` drives ``step``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from eagle.errors import EagleError
+from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, _TextDelta, _truncate
+from eagle.model import KVCache
+from eagle.runtime import step_inputs
+from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
+from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
+
+logger = logging.getLogger(__name__)
+
+SPECULATE_MODES = ("auto", "always", "never")
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): spreads (seed, position) pairs
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The seed of one step's generator: a function of the request's seed and the absolute position of the
+    step's first new token only (splitmix64 finaliser), so outputs do not depend on batch or history."""
+    z = (seed * _SEED_MIX + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+@dataclass
+class BatchRequest:
+    """One request in a ``BatchDecoder``: its settings, and what it has produced so far.
+
+    ``outputs`` receives one ``StepOutput`` per step the request took part in (the first one from its
+    prefill, with ``stats=None``); ``done`` is set when it finished (``finish_reason`` "stop", "length" or
+    "cancelled") or failed (``error``)."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    id: int = field(default_factory=itertools.count().__next__)
+    token_ids: list[int] = field(default_factory=list)
+    outputs: list[StepOutput] = field(default_factory=list)
+    steps: list[StepStats] = field(default_factory=list)
+    done: bool = False
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)
+    resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per target forward after the prefill (None before the first step)."""
+        return sum(s.accepted + 1 for s in self.steps) / len(self.steps) if self.steps else None
+
+
+@dataclass
+class _Row:
+    """A live request's decoding state; its caches are row ``index`` of the batch's caches."""
+
+    request: BatchRequest
+    stop_ids: set[int]
+    generator: torch.Generator | None
+    committed: int  # target cache positions that are final
+    root: int
+    context: list[int]  # prompt + every token chosen (the root included)
+    text: _TextDelta
+    head_committed: int = 0  # head cache positions that are final
+    last_hidden: torch.Tensor | None = None  # head output at the last committed head position
+    pending_features: list[torch.Tensor] = field(default_factory=list)  # target features the head has not consumed
+    pending_tokens: list[int] = field(default_factory=list)  # the token after each pending feature
+
+    @property
+    def pending(self) -> int:
+        return len(self.pending_tokens)
+
+
+class SpeculationPolicy:
+    """Whether a batch drafts this step, from a measured cost model (not a constant).
+
+    Costs: ``plain_ms[B]`` (one plain batched step) and ``speculative_ms[B]`` (catch-up + drafting +
+    verification of the tree) measured at start-up for a few batch sizes and interpolated between them.
+    A speculative step pays off when the expected tokens per row and step (``tau``) exceed the break-even
+    ``speculative_ms[B] / plain_ms[B]``; ``tau`` starts at ``prior_tau`` and follows what speculative steps
+    accept (an exponential moving average). While plain decoding wins, every ``explore_every``-th step
+    drafts anyway so that a better-matching workload (say, repetitive text) can switch speculation back on.
+    Verification becomes compute-bound as the batch grows, so the break-even rises with B: the draft
+    budget shrinks to nothing at the batch sizes where plain batched decoding is faster."""
+
+    def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",
+                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32) -> None:
+        if mode not in SPECULATE_MODES:
+            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
+        self.plain_ms = dict(sorted(plain_ms.items()))
+        self.speculative_ms = dict(sorted(speculative_ms.items()))
+        self.mode = mode
+        self.tau = prior_tau
+        self.smoothing = smoothing
+        self.explore_every = explore_every
+        self._since_draft = 0
+        self.decisions = {"draft": 0, "plain": 0, "explore": 0}
+
+    @staticmethod
+    def _at(costs: dict[int, float], batch: int) -> float:
+        sizes = list(costs)
+        if batch <= sizes[0]:
+            return costs[sizes[0]]
+        for low, high in zip(sizes, sizes[1:]):
+            if batch <= high:
+                return costs[low] + (costs[high] - costs[low]) * (batch - low) / (high - low)
+        if len(sizes) == 1:
+            return costs[sizes[0]] * batch / sizes[0]
+        low, high = sizes[-2], sizes[-1]  # extrapolate linearly
+        return costs[high] + (costs[high] - costs[low]) * (batch - high) / (high - low)
+
+    def break_even(self, batch: int) -> float:
+        """The tau at which drafting and plain decoding produce tokens equally fast at this batch size."""
+        if not self.speculative_ms or not self.plain_ms:
+            return float("inf")
+        return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
+
+    def choose(self, batch: int) -> str:
+        """``"draft"``, ``"explore"`` (drafting to measure acceptance) or ``"plain"`` for this step."""
+        if self.mode != "auto":
+            decision = "draft" if self.mode == "always" else "plain"
+        elif self.tau >= self.break_even(batch):
+            decision = "draft"
+        elif self._since_draft + 1 >= self.explore_every:
+            decision = "explore"
+        else:
+            decision = "plain"
+        self._since_draft = 0 if decision != "plain" else self._since_draft + 1
+        self.decisions[decision] += 1
+        return decision
+
+    def observe(self, tokens_per_row: float) -> None:
+        """A speculative step's mean tokens per row (accepted + 1)."""
+        self.tau += self.smoothing * (tokens_per_row - self.tau)
+
+    def report(self) -> dict:
+        return {
+            "mode": self.mode, "tau_estimate": round(self.tau, 3), "decisions": dict(self.decisions),
+            "plain_ms": {b: round(v, 2) for b, v in self.plain_ms.items()},
+            "speculative_ms": {b: round(v, 2) for b, v in self.speculative_ms.items()},
+            "break_even_tau": {b: round(self.break_even(b), 3) for b in self.plain_ms},
+        }
+
+
+class BatchDecoder:
+    """Continuous batching over one ``Decoder``'s target, head, tree and compiled functions.
+
+    ``submit`` (any thread) queues a request; ``step`` (one thread) admits queued requests up to
+    ``max_batch`` (prefilling each), runs one batched step over every live request and returns the
+    (request, output) pairs it produced. ``cancel`` drops a request between steps. ``max_context`` bounds
+    prompt + new tokens per request (the KV cache holds ``max_batch`` rows of that many slots).
+    """
+
+    def __init__(self, decoder: Decoder, *, max_batch: int = 8, max_context: int | None = None,
+                 speculate: str = "auto", policy: SpeculationPolicy | None = None) -> None:
+        if max_batch < 1:
+            raise EagleError(f"max_batch must be >= 1, got {max_batch}")
+        self.decoder = decoder
+        self.target = decoder.target
+        self.runtime = decoder.runtime
+        self.heads = decoder.head_runtime
+        self.max_batch = max_batch
+        self.max_context = min(max_context or decoder.context_window, decoder.context_window)
+        self.tree = decoder.tree if decoder.head is not None else None
+        self.capacity = _round_up(self.max_context + decoder._scratch() + 1, 64)
+        rows = max(2, max_batch)  # the batched graphs take a cache of >= 2 rows (batch 1 runs on row 0)
+        self.cache = self.runtime.new_cache(self.capacity, rows)
+        self.head_cache = self.heads.new_cache(self.capacity, rows) if self.heads is not None else None
+        self.rows: list[_Row] = []
+        self._queue: deque[BatchRequest] = deque()
+        self._cancelled: set[int] = set()
+        self._lock = threading.Lock()
+        self.speculate = speculate if self.heads is not None else "never"
+        self.policy = policy or SpeculationPolicy({1: 1.0}, {1: 1.0}, mode="never" if self.heads is None else speculate)
+        self.steps = 0
+
+    # ---- widths and warm-up -----------------------------------------------------------------------
+
+    def _verify_width(self, speculative: bool) -> int:
+        return max(self.decoder._widths()["verify"]) if speculative else 1
+
+    @torch.inference_mode()
+    def warmup(self, *, measure: bool = True, sizes: Sequence[int] | None = None, repeats: int = 3) -> dict:
+        """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
+        (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
+        self.decoder.warmup()
+        sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
+        plain, speculative = {}, {}
+        for batch in sizes:
+            plain[batch] = self._time_step(batch, False, repeats if measure else 1)
+            if self.heads is not None:
+                speculative[batch] = self._time_step(batch, True, repeats if measure else 1)
+        self.policy = SpeculationPolicy(plain, speculative or {1: float("inf")}, mode=self.speculate,
+                                        prior_tau=self.policy.tau, explore_every=self.policy.explore_every)
+        report = self.policy.report()
+        logger.info("batch policy: %s", report)
+        return report
+
+    def _time_step(self, batch: int, speculative: bool, repeats: int) -> float:
+        """Milliseconds of one synthetic step of ``batch`` rows at a 128-token context (the median of
+        ``repeats``): catch-up, drafting and the tree's verification, or one plain verification."""
+        context = min(128, self.max_context // 2)
+        times = []
+        for _ in range(repeats + 1):  # the first call warms (compiles) and is not counted
+            started = time.perf_counter()
+            if speculative:
+                self._synthetic_draft(batch, context)
+            self._synthetic_verify(batch, self._verify_width(speculative), context)
+            times.append((time.perf_counter() - started) * 1e3)
+        return sorted(times[1:])[len(times[1:]) // 2]
+
+    def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
+        device = self.target.device
+        if batch == 1:
+            ids, positions, slots, mask = step_inputs(width, context, device)
+            view = self.cache.row(0)
+            self.runtime.step(width)(ids, positions, slots, mask, view.keys, view.values)
+            return
+        ids, positions, slots, mask = step_inputs(width, context, device)
+        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+        self.runtime.step_rows(width)(rows(ids), rows(positions), rows(slots[None]), rows(mask), self.cache.keys, self.cache.values)
+
+    def _synthetic_draft(self, batch: int, context: int) -> None:
+        device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
+        width = self.decoder._widths()["advance"][0]
+        features = torch.zeros(batch, width, self.target.hidden_size, dtype=dtype, device=device)
+        ids, positions, slots, mask = step_inputs(width, context, device)
+        if batch == 1:
+            view = self.head_cache.row(0)
+            hidden = self.heads.advance(width)(features, ids, positions, slots, mask, view.keys, view.values)[0, -1:]
+        else:
+            rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+            hidden = self.heads.advance_rows(width)(features, rows(ids), rows(positions), rows(slots[None]), rows(mask),
+                                                    self.head_cache.keys, self.head_cache.values)[:, -1]
+        roots = torch.zeros(batch, dtype=torch.long, device=device)
+        prefix = torch.full((batch,), context, dtype=torch.long, device=device)
+        self._draft_rows(hidden.reshape(batch, -1), roots, prefix, [[0] * 4] * batch)
+
+    # ---- requests -----------------------------------------------------------------------------------
+
+    def check(self, prompt_ids: Sequence[int], config: GenerationConfig) -> None:
+        """Raise ``EagleError`` when this decoder cannot run the request (the engine's one check)."""
+        self.decoder._check_request(list(prompt_ids), config)
+        if len(prompt_ids) + config.max_new_tokens > self.max_context:
+            raise EagleError(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed this batch "
+                f"decoder's context of {self.max_context} tokens"
+            )
+
+    def submit(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None, *,
+               generated: Sequence[int] = ()) -> BatchRequest:
+        """Queue a request (checked now: ``EagleError`` on bad input); it joins at the next ``step``.
+
+        ``generated``: tokens of this request's output produced earlier (a resumed request): decoding
+        continues after them exactly as a step of the uninterrupted run would (the last of them is the
+        root of the next step's tree, not a token sampled again); ``max_new_tokens`` counts them."""
+        config = config or GenerationConfig()
+        prompt_ids, generated = list(prompt_ids), [int(t) for t in generated]
+        self.check(prompt_ids + generated, config)  # the vocabulary and window checks cover them too
+        if len(generated) > config.max_new_tokens:
+            raise EagleError(f"{len(generated)} generated tokens exceed max_new_tokens ({config.max_new_tokens})")
+        request = BatchRequest(prompt_ids, config, resumed=generated)
+        with self._lock:
+            self._queue.append(request)
+        return request
+
+    def cancel(self, request: BatchRequest) -> None:
+        """Drop ``request`` before the next step (its row is freed then)."""
+        with self._lock:
+            self._cancelled.add(request.id)
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    @property
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.rows and not self._queue
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchRequest, StepOutput]]:
+        """Admit queued requests, advance every live request by one target forward, retire finished ones.
+        Returns the outputs of this step (prefill outputs of admitted requests included)."""
+        events: list[tuple[BatchRequest, StepOutput]] = []
+        self._drop_cancelled()
+        while len(self.rows) < self.max_batch:
+            with self._lock:
+                if not self._queue:
+                    break
+                request = self._queue.popleft()
+            try:
+                output = self._admit(request)
+            except Exception as err:  # noqa: BLE001 - a request that cannot start fails alone
+                self._fail(request, err)
+                continue
+            if output is not None:
+                events.append((request, output))
+                self._emit(request, output)
+        self._retire()
+        if not self.rows:
+            return events
+        try:
+            events.extend(self._advance())
+        except Exception as err:  # the batch's state is unknown after a failed forward: fail its requests
+            logger.exception("batch step failed; failing its %d requests", len(self.rows))
+            for row in self.rows:
+                self._fail(row.request, err)
+            self.rows.clear()
+        self._retire()
+        return events
+
+    def run_until_done(self) -> None:
+        """Step until nothing is queued or live (tests, offline batches)."""
+        while not self.idle:
+            self.step()
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _generator(self, request: BatchRequest, position: int) -> torch.Generator | None:
+        if request.config.sampling.greedy:
+            return None
+        generator = torch.Generator(device=self.target.device)
+        if request.config.seed is not None:
+            generator.manual_seed(step_seed(request.config.seed, position))
+        else:
+            generator.seed()
+        return generator
+
+    def _reseed(self, row: _Row) -> None:
+        if row.generator is not None and row.request.config.seed is not None:
+            row.generator.manual_seed(step_seed(row.request.config.seed, len(row.context)))
+
+    def _admit(self, request: BatchRequest) -> StepOutput | None:
+        """Prefill ``request`` into the next free row; its first token (None for a resumed request, whose
+        next token comes from the next step)."""
+        index = len(self.rows)
+        device = self.target.device
+        resumed = request.resumed
+        prompt = request.prompt_ids + resumed[:-1]  # a resumed request's last token is the next root
+        ids = torch.tensor(prompt, device=device)
+        features = self.runtime.prefill(ids, self.cache.row(index))  # [n, hidden]
+        sampling = request.config.sampling
+        generator = self._generator(request, len(prompt))
+        if resumed:
+            root = resumed[-1]
+        else:
+            last = features[-1:]
+            logits = self.runtime.model.lm_head(last)
+            if sampling.greedy:
+                root = int(self.runtime.model.greedy(last, logits)[0])
+            else:
+                root = sample_token(processed_probs(logits[0].float(), sampling), generator)
+        row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], _TextDelta(self.target))
+        if self.heads is not None:
+            next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])
+            row.last_hidden = self.heads.prefill(features, next_tokens, self.head_cache.row(index))[-1]
+            row.head_committed = len(prompt)
+        self.rows.append(row)
+        request.token_ids.extend(resumed or [root])
+        output = None
+        if resumed:
+            # the text of the resumed tokens was sent before: later deltas continue after it, decoded with a
+            # few tokens of context (a leading space's merge depends on the token before)
+            row.text.ids.extend(resumed)
+            row.text.prefix, row.text.read = max(0, len(resumed) - 4), len(resumed)
+        else:
+            output = StepOutput([root], row.text.push([root]), None)
+        if root in row.stop_ids or len(request.token_ids) >= request.config.max_new_tokens:
+            self._finish(row, "stop" if root in row.stop_ids else "length")
+        return output
+
+    def _advance(self) -> list[tuple[BatchRequest, StepOutput]]:
+        rows = self.rows
+        batch = len(rows)
+        started = time.perf_counter()
+        decision = self.policy.choose(batch) if self.heads is not None else "plain"
+        speculative = decision != "plain"
+        for row in rows:
+            self._reseed(row)
+        if speculative:
+            self._catch_up()
+            trees = self._draft([row for row in rows])
+        else:
+            trees = [root_only(torch.tensor([row.root], device=self.target.device)) for row in rows]
+        drafted = time.perf_counter()
+        results = self._verify(trees)
+        verified = time.perf_counter()
+        self.steps += 1
+        events = []
+        accepted_total = 0
+        for row, tree, (keep, kept_features, new_tokens) in zip(rows, trees, results):
+            request = row.request
+            row.committed += len(keep)
+            row.root = new_tokens[-1]
+            row.context.extend(new_tokens)
+            if self.heads is not None:
+                row.pending_features.append(kept_features)
+                row.pending_tokens.extend(new_tokens)
+            config = request.config
+            out = _truncate(new_tokens, config.max_new_tokens - len(request.token_ids), row.stop_ids)
+            request.token_ids.extend(out)
+            accepted_total += len(new_tokens)
+            stats = StepStats(len(new_tokens) - 1, len(tree) - 1, (drafted - started) / batch, (verified - drafted) / batch,
+                              batch=batch, policy=decision)
+            request.steps.append(stats)
+            output = StepOutput(out, row.text.push(out), stats)
+            events.append((request, output))
+            self._emit(request, output)
+            if out and out[-1] in row.stop_ids:
+                self._finish(row, "stop")
+            elif len(out) < len(new_tokens) or len(request.token_ids) >= config.max_new_tokens:
+                self._finish(row, "length")
+        if speculative:
+            self.policy.observe(accepted_total / batch)
+        return events
+
+    def _catch_up(self) -> None:
+        """The head consumes every row's pending (feature, next token) pairs: one batched forward when they
+        fit the compiled catch-up width, else per row, eagerly (after plain steps)."""
+        if not any(row.pending for row in self.rows):
+            return
+        width = self.decoder._widths()["advance"][0]
+        device = self.target.device
+        rows = self.rows
+        if max(row.pending for row in rows) <= width:
+            batch = len(rows)
+            features = torch.zeros(batch, width, self.target.hidden_size, dtype=rows[0].pending_features[0].dtype, device=device)
+            tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+            counts = torch.tensor([row.pending for row in rows], device=device)
+            for b, row in enumerate(rows):
+                if row.pending:
+                    features[b, : row.pending] = torch.cat(row.pending_features)
+                    tokens[b, : row.pending] = torch.tensor(row.pending_tokens, device=device)
+            prefix = torch.tensor([row.head_committed for row in rows], device=device)
+            offsets = torch.arange(width, device=device)
+            positions = prefix[:, None] + torch.minimum(offsets[None], (counts - 1).clamp(min=0)[:, None])
+            slots = prefix[:, None] + offsets[None]
+            real = offsets[None] < counts[:, None]  # [B, W]
+            local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
+            local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
+            if batch == 1:
+                view = self.head_cache.row(0)
+                mask = rows_mask(prefix, real, local, int(prefix.max()) + width)
+                hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask[:, None], view.keys, view.values)
+            else:
+                mask = rows_mask(prefix, real, local, int(prefix.max()) + width)
+                hidden = self.heads.advance_rows(width)(features, tokens, positions, slots, mask[:, None], self.head_cache.keys, self.head_cache.values)
+            for b, row in enumerate(rows):
+                if not row.pending:
+                    continue
+                row.last_hidden = hidden[b, row.pending - 1]
+                row.head_committed += row.pending
+                row.pending_features.clear()
+                row.pending_tokens.clear()
+            return
+        for index, row in enumerate(rows):  # eager, one row at a time
+            if not row.pending:
+                continue
+            view = self.head_cache.row(index)
+            features = torch.cat(row.pending_features)[None]
+            q = row.pending
+            positions = torch.arange(row.head_committed, row.head_committed + q, device=device)
+            mask = causal_allowed(q, row.head_committed, device)[None, None]
+            hidden = self.heads.lean(features, torch.tensor([row.pending_tokens], device=device), positions[None], positions, mask, view.keys, view.values)
+            row.last_hidden = hidden[0, -1]
+            row.head_committed += q
+            row.pending_features.clear()
+            row.pending_tokens.clear()
+
+    def _draft(self, rows: list[_Row]) -> list[DraftTree]:
+        device = self.target.device
+        roots = torch.tensor([row.root for row in rows], device=device)
+        prefix = torch.tensor([row.committed for row in rows], device=device)
+        hidden = torch.stack([row.last_hidden for row in rows])
+        return self._draft_rows(hidden, roots, prefix, [row.context for row in rows])
+
+    def _draft_rows(self, hidden: torch.Tensor, roots: torch.Tensor, prefix: torch.Tensor, contexts: list[list[int]]) -> list[DraftTree]:
+        tree = self.tree
+        base = _base(tree)
+        batch = roots.numel()
+        if batch == 1:
+            expand = self.heads.expand(base.expand_width) if base.depth > 1 else None
+            trees = [draft_tree(self.heads.lean, expand, self.head_cache.row(0), hidden[0], roots[:1], int(prefix[0]), base)]
+        else:
+            expand = self.heads.expand_rows(base.expand_width) if base.depth > 1 else None
+            trees = draft_tree_rows(self.heads.lean, expand, self.head_cache, hidden, roots, prefix, base)
+        if isinstance(tree, HybridTree):
+            from eagle.ngram import add_branch
+
+            trees = [add_branch(drafted, context, tree, width=1 + base.size) for drafted, context in zip(trees, contexts)]
+        return trees
+
+    def _verify(self, trees: list[DraftTree]) -> list[tuple[list[int], torch.Tensor, list[int]]]:
+        """One target forward over every row's tree; per row (kept nodes incl. root, their features, new tokens)."""
+        device = self.target.device
+        rows = self.rows
+        batch = len(rows)
+        sizes = [len(tree) for tree in trees]
+        width = self._verify_width(max(sizes) > 1)
+        if max(sizes) > width:
+            width = min(w for w in self.decoder._widths()["verify"] if w >= max(sizes))
+        ids = torch.zeros(batch, width, dtype=torch.long, device=device)
+        depths = torch.zeros(batch, width, dtype=torch.long, device=device)
+        ancestry = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+        real = torch.zeros(batch, width, dtype=torch.bool, device=device)
+        for b, tree in enumerate(trees):
+            n = sizes[b]
+            ids[b, :n] = tree.tokens
+            depths[b, :n] = tree.depths
+            ancestry[b, :n, :n] = tree.ancestors
+            real[b, :n] = True
+        start = torch.tensor([row.committed for row in rows], device=device)
+        positions = start[:, None] + depths
+        slots = start[:, None] + torch.arange(width, device=device)[None]
+        mask = rows_mask(start, real, ancestry, int(start.max()) + width)[:, None]
+        if batch == 1:
+            view = self.cache.row(0)
+            features, logits, greedy = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
+            features, logits, greedy = features[None], logits[None], greedy[None]
+        else:
+            features, logits, greedy = self.runtime.step_rows(width)(ids, positions, slots, mask, self.cache.keys, self.cache.values)
+        results, moves = [], []
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            sampling = row.request.config.sampling
+            n = sizes[b]
+            if sampling.greedy:
+                acceptance = greedy_verify(tree, greedy[b, :n])
+            else:
+                acceptance = sample_verify(tree, ProcessedRows(logits[b], sampling), row.generator)
+            keep = [0] + acceptance.path
+            if acceptance.path:
+                moves.append((b, row.committed, [node + row.committed for node in keep]))
+            tokens = tree.host[0]
+            new_tokens = [tokens[node] for node in acceptance.path] + [acceptance.bonus_token]
+            results.append((keep, features[b, keep], new_tokens))
+        if moves:
+            self._compact(moves)
+        return results
+
+    def _compact(self, moves: list[tuple[int, int, list[int]]]) -> None:
+        device = self.target.device
+        length = max(len(source) for _, _, source in moves)
+        source = torch.tensor([s + [s[-1]] * (length - len(s)) for _, _, s in moves], device=device)
+        self.cache.compact_rows(
+            torch.tensor([b for b, _, _ in moves], device=device), torch.tensor([k for _, k, _ in moves], device=device),
+            source, torch.tensor([len(s) for _, _, s in moves], device=device),
+        )
+
+    def _emit(self, request: BatchRequest, output: StepOutput) -> None:
+        request.outputs.append(output)
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        row.request.finish_reason = reason
+        row.request.done = True
+
+    def _fail(self, request: BatchRequest, err: BaseException) -> None:
+        request.error = err
+        request.finish_reason = "error"
+        request.done = True
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            if cancelled:
+                kept = deque(r for r in self._queue if r.id not in cancelled)
+                for r in self._queue:
+                    if r.id in cancelled:
+                        r.done, r.finish_reason = True, "cancelled"
+                self._queue = kept
+        for row in self.rows:
+            if row.request.id in cancelled and not row.request.done:
+                self._finish(row, "cancelled")
+
+    def _retire(self) -> None:
+        """Free the rows of finished requests: the last live row moves into each freed row."""
+        index = 0
+        while index < len(self.rows):
+            if not self.rows[index].request.done:
+                index += 1
+                continue
+            last = len(self.rows) - 1
+            if index != last:
+                moving = self.rows[last]
+                self._move(last, index, moving)
+                self.rows[index] = moving
+            self.rows.pop()
+
+    def _move(self, source: int, target: int, row: _Row) -> None:
+        end = row.committed
+        for buffer in (*self.cache.keys, *self.cache.values):
+            buffer[target, :, :end] = buffer[source, :, :end]
+        if self.head_cache is not None:
+            end = row.head_committed
+            for buffer in (*self.head_cache.keys, *self.head_cache.values):
+                buffer[target, :, :end] = buffer[source, :, :end]

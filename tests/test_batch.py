@@ -1,0 +1,231 @@
+"""Continuous batching (``eagle.batch``): lossless per request inside a batch.
+
+* Greedy, fp32: in mixed batches (different prompts and lengths, requests arriving while others run,
+  different budgets and stop tokens so some finish mid-batch, a trained and an untrained head, dynamic,
+  static and hybrid trees, the policy forced to draft, forced plain and measured) every request's output
+  equals its batch-1 plain decoding token for token.
+* Batched drafting drafts, row for row, the tree that single-request drafting drafts.
+* T > 0: the first four tokens of a request decoded inside batches of other requests follow the target's
+  exact joint distribution (the statistics of tests/test_lossless_sampling.py).
+* Seeds: a seeded request's output does not depend on the batch it runs in, and a request resumed from
+  any prefix of its output continues exactly as the uninterrupted run (greedy and seeded sampling).
+* The policy's decisions follow its measured costs.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
+from eagle.batch import BatchDecoder, SpeculationPolicy, step_seed
+from eagle.errors import EagleError
+from eagle.tree import HybridTree, draft_tree
+from eagle.verify import SamplingConfig
+from heads import good_head, single_thread
+from tiny import tiny_target
+from test_lossless_sampling import PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _target, assert_matches, joint_for
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():
+        yield
+
+
+@functools.cache
+def _greedy_target():
+    return tiny_target("llama", vocab_size=64, hidden_size=32, layers=2, dtype=torch.float32, seed=3, logit_scale=2.0)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(64) for _ in range(rng.randrange(1, 24))] for _ in range(count)]
+
+
+def _plain(target, prompt, config):
+    return Decoder(target, None).generate(prompt, config).token_ids
+
+
+def _run_mixed(engine: BatchDecoder, jobs: list[tuple[int, list[int], GenerationConfig]]):
+    """Submit each job at its arrival step; step until all are done; return the requests in job order."""
+    requests: dict[int, object] = {}
+    step = 0
+    while len(requests) < len(jobs) or not engine.idle:
+        for index, (arrival, prompt, config) in enumerate(jobs):
+            if arrival == step and index not in requests:
+                requests[index] = engine.submit(prompt, config)
+        engine.step()
+        step += 1
+        assert step < 10_000
+    return [requests[i] for i in range(len(jobs))]
+
+
+TREES = {
+    "dynamic": DynamicTree(depth=4, top_k=3, total_tokens=10),
+    "static": StaticTree(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+    "hybrid": HybridTree(DynamicTree(depth=3, top_k=2, total_tokens=6), branch_tokens=4),
+}
+
+
+@pytest.mark.parametrize("head_kind", ["good", "untrained"])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("speculate", ["always", "never", "auto"])
+def test_greedy_in_a_mixed_batch_equals_batch_one_plain_decoding(head_kind, tree, speculate):
+    target = _greedy_target()
+    head = good_head(target) if head_kind == "good" else EagleHead.for_target(target, seed=1)
+    decoder = Decoder(target, head, TREES[tree])
+    engine = BatchDecoder(decoder, max_batch=4, max_context=256, speculate=speculate)
+    if speculate == "auto":  # measured costs; explore often so that both kinds of step happen
+        engine.warmup(repeats=1)
+        engine.policy.explore_every = 3
+    prompts = _prompts(9, seed=len(tree))
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        stop = [prompt[0]] if i % 3 == 0 else []  # some stop on a token, most run to their budget
+        config = GenerationConfig(max_new_tokens=5 + 7 * (i % 4), stop_token_ids=stop)
+        jobs.append((i // 2 * 3, prompt, config))  # arrivals while others run; at most 4 live at once
+    requests = _run_mixed(engine, jobs)
+    batches = set()
+    for (arrival, prompt, config), request in zip(jobs, requests):
+        assert request.error is None and request.done
+        assert request.token_ids == _plain(target, prompt, config), (prompt, config)
+        batches.update(step.batch for step in request.steps)
+    assert max(batches) >= 3, batches  # the requests really shared steps
+    policies = {step.policy for r in requests for step in r.steps}
+    expected = {"always": {"draft"}, "never": {"plain"}}.get(speculate)
+    assert policies == expected if expected else {"plain", "draft", "explore"} & policies, policies
+    if head_kind == "good" and speculate == "always":
+        assert sum(s.accepted for r in requests for s in r.steps) > 0  # drafts were accepted inside the batch
+
+
+def test_target_alone_batches_plain_decoding():
+    target = _greedy_target()
+    engine = BatchDecoder(Decoder(target, None), max_batch=3, max_context=128)
+    jobs = [(i, prompt, GenerationConfig(max_new_tokens=6 + i, stop_token_ids=[])) for i, prompt in enumerate(_prompts(5, 7))]
+    for (arrival, prompt, config), request in zip(jobs, _run_mixed(engine, jobs)):
+        assert request.token_ids == _plain(target, prompt, config)
+        assert all(step.tree_size == 0 and step.policy == "plain" for step in request.steps)
+
+
+@pytest.mark.parametrize("spec", [DynamicTree(depth=4, top_k=3, total_tokens=10), StaticTree(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))])
+def test_batched_drafting_drafts_each_rows_single_request_tree(spec):
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target), spec)
+    engine = BatchDecoder(decoder, max_batch=3, max_context=128)
+    for prompt in _prompts(3, 11):
+        engine.submit(prompt, GenerationConfig(max_new_tokens=50, stop_token_ids=[]))
+    engine.step()  # admit all three and take one step, so rows sit at different lengths
+    engine._catch_up()
+    rows = engine.rows
+    batched = engine._draft(rows)
+    for index, (row, tree) in enumerate(zip(rows, batched)):
+        expand = engine.heads.expand(spec.expand_width)
+        single = draft_tree(engine.heads.lean, expand, engine.head_cache.row(index), row.last_hidden, torch.tensor([row.root]), row.committed, spec)
+        assert tree.tokens.tolist() == single.tokens.tolist()
+        assert tree.parents.tolist() == single.parents.tolist()
+        torch.testing.assert_close(tree.scores, single.scores, atol=1e-5, rtol=1e-5)  # fp32 GEMMs of another shape
+
+
+def test_a_request_sampled_inside_batches_follows_the_targets_distribution():
+    """RUNS seeded requests of PROMPT at T=1, decoded 12 at a time beside 4 requests of other prompts that
+    arrive one step later; counts of their first TOKENS tokens against the exact joint."""
+    target, head = _target(), _head("good")
+    engine = BatchDecoder(Decoder(target, head, DEEP_DYNAMIC), max_batch=16, max_context=64, speculate="always")
+    rng = random.Random(5)
+    counts = np.zeros(VOCAB**TOKENS, dtype=np.int64)
+    accepted = []
+    for start in range(0, RUNS, 12):
+        ours = [engine.submit(PROMPT, GenerationConfig(max_new_tokens=TOKENS, sampling=T1, stop_token_ids=[], seed=seed))
+                for seed in range(start, min(start + 12, RUNS))]
+        engine.step()
+        for _ in range(4):
+            other = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+            engine.submit(other, GenerationConfig(max_new_tokens=rng.randrange(1, 8), sampling=T1, stop_token_ids=[]))
+        engine.run_until_done()
+        for request in ours:
+            assert len(request.token_ids) == TOKENS
+            index = 0
+            for token in request.token_ids:
+                index = index * VOCAB + token
+            counts[index] += 1
+            accepted.extend(step.accepted for step in request.steps)
+    assert_matches(counts, joint_for(T1), "inside a batch")
+    assert any(a >= 2 for a in accepted)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "seeded-T1"])
+@pytest.mark.parametrize("with_head", [True, False], ids=["eagle", "plain"])
+def test_seeded_output_is_independent_of_the_batch_and_resumes_exactly(sampling, with_head):
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target) if with_head else None, TREES["dynamic"])
+    prompt = _prompts(1, 21)[0]
+    config = GenerationConfig(max_new_tokens=30, sampling=sampling, stop_token_ids=[], seed=1234)
+    alone = BatchDecoder(decoder, max_batch=1, max_context=128)
+    request = alone.submit(prompt, config)
+    alone.run_until_done()
+    reference = request.token_ids
+    crowded = BatchDecoder(decoder, max_batch=4, max_context=128)
+    others = [crowded.submit(p, GenerationConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=0.8), seed=i)) for i, p in enumerate(_prompts(3, 22))]
+    crowded.step()
+    again = crowded.submit(prompt, config)
+    crowded.run_until_done()
+    assert again.token_ids == reference and all(o.done for o in others)
+    # resume after the tokens of each step (what a client holds when a replica dies between two steps)
+    cuts, total = [], 0
+    for output in request.outputs:
+        total += len(output.token_ids)
+        cuts.append(total)
+    for cut in cuts[:-1]:
+        engine = BatchDecoder(decoder, max_batch=2, max_context=128)
+        resumed = engine.submit(prompt, config, generated=reference[:cut])
+        engine.run_until_done()
+        assert resumed.token_ids == reference, f"resumed after {cut} tokens"
+        assert sum(len(o.token_ids) for o in resumed.outputs) == len(reference) - cut
+
+
+def test_bad_requests_fail_at_submit_with_a_clear_error():
+    engine = BatchDecoder(Decoder(_greedy_target(), None), max_batch=2, max_context=32)
+    with pytest.raises(EagleError, match="context of 32"):
+        engine.submit(list(range(20)), GenerationConfig(max_new_tokens=20))
+    with pytest.raises(EagleError, match="prompt token ids"):
+        engine.submit([999], GenerationConfig(max_new_tokens=2))
+    with pytest.raises(EagleError, match="exceed max_new_tokens"):
+        engine.submit([1, 2], GenerationConfig(max_new_tokens=2), generated=[3, 4, 5])
+
+
+def test_cancel_frees_the_row_and_others_continue():
+    target = _greedy_target()
+    engine = BatchDecoder(Decoder(target, good_head(target), TREES["dynamic"]), max_batch=2, max_context=128)
+    prompts = _prompts(2, 31)
+    config = GenerationConfig(max_new_tokens=24, stop_token_ids=[])
+    first, second = (engine.submit(p, config) for p in prompts)
+    engine.step()
+    engine.step()
+    engine.cancel(first)
+    engine.run_until_done()
+    assert first.finish_reason == "cancelled" and len(first.token_ids) < 24
+    assert second.token_ids == _plain(target, prompts[1], config)
+
+
+def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
+    # speculative steps cost 2x a plain step at batch 1 and 6x at batch 8 (verification turns compute-bound)
+    policy = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 20.0, 8: 120.0}, prior_tau=3.0, explore_every=1000)
+    assert policy.break_even(1) == 2.0 and policy.break_even(8) == 6.0
+    assert policy.choose(1) == "draft" and policy.choose(8) == "plain"
+    assert 2.0 < policy.break_even(4) < 6.0  # interpolated
+    for _ in range(60):
+        policy.observe(1.2)  # the drafts stop being accepted
+    assert policy.tau < 2.0 and policy.choose(1) == "plain"
+    explorer = SpeculationPolicy({1: 10.0}, {1: 30.0}, prior_tau=1.0, explore_every=4)
+    assert [explorer.choose(1) for _ in range(8)] == ["plain", "plain", "plain", "explore"] * 2
+    assert policy.report()["decisions"]["plain"] >= 2
+
+
+def test_step_seed_depends_on_seed_and_position_only():
+    assert step_seed(1, 10) == step_seed(1, 10)
+    assert len({step_seed(s, p) for s in range(30) for p in range(30)}) == 900
