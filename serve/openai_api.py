@@ -289,8 +289,8 @@ async def resumable_stream(open_stream: Callable[[dict[str, Any]], AsyncIterator
                 raise
             failovers += 1
             logger.warning("%s: the replica serving request %s died (%s) after %d tokens; resuming them on another "
-                           "replica (failover %d of at most %d)", name, request_id, type(err).__name__, len(token_ids),
-                           failovers, policy.attempts)
+                           "replica (failover %d of at most %d)", name, request_id or "(not started)", type(err).__name__,
+                           len(token_ids), failovers, policy.attempts)
             await asyncio.sleep(min(policy.backoff_s * 2 ** (failovers - 1), max(0.0, deadline - now)))
             attempt = {**request, "resume_token_ids": list(token_ids), "resume_text": "".join(text)}
         finally:
