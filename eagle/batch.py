@@ -21,16 +21,19 @@ Layout choice (padded rows, not a paged pool): on this CPU a pool shared by all 
 query attend over every request's slots (B times the attention work of a row that sees only its own);
 padded rows cost memory (``max_batch`` x capacity slots) but keep attention per row and let the
 compiled graphs (``eagle.compile``: one per width, the batch a dynamic dimension) serve every batch.
-A batch of one runs the single-request graphs on row 0.
+A batch of one runs as a batch of two whose second row is a discarded copy (``_padded``).
 
 Lossless per request: a row's tokens depend only on its own cache row and its own random stream, so each
 request's greedy output equals its batch-1 plain decoding (tests/test_batch.py, fp32), and at T > 0 each
 row is the single-request speculative sampler (distribution test in the same file).
 
 Seeding: a request with a ``seed`` draws each step's randomness from a generator seeded with (seed, the
-absolute position of the step's first new token) (``step_seed``), so its output is a function of the
-prompt, the settings, the seed and the tokens so far, whatever the batch, and a request resumed from
-the tokens already sent continues as the uninterrupted run would (``serve`` failover).
+absolute position of the step's first new token) (``step_seed``), and at T > 0 it decodes without
+drafting (its rows verify the root alone, ``_seeded_sampling``), so its output is a function of the
+prompt, the settings, the seed and the tokens so far, whatever the batch and the policy, and a request
+resumed from the tokens already sent continues as the uninterrupted run would (``serve`` failover).
+Greedy requests are deterministic whatever they draft; unseeded sampling draws from streams seeded by
+torch's global generator.
 
 Owns: ``BatchDecoder``, ``BatchRequest``, ``SpeculationPolicy``, ``step_seed``.
 Does not own: the single-request loop (``generate.py``, whose pieces it reuses: runtimes, trees, stop
@@ -49,11 +52,11 @@ from typing import Sequence
 
 import torch
 
-from eagle.errors import EagleError
+from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, _TextDelta, _truncate
 from eagle.model import KVCache
 from eagle.runtime import step_inputs
-from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
+from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree_rows, root_only, rows_mask
 from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
 
 logger = logging.getLogger(__name__)
@@ -158,7 +161,7 @@ class SpeculationPolicy:
 
     def break_even(self, batch: int) -> float:
         """The tau at which drafting and plain decoding produce tokens equally fast at this batch size."""
-        if not self.speculative_ms or not self.plain_ms:
+        if not self.speculative_ms or not self.plain_ms:  # nothing to draft with (the target alone)
             return float("inf")
         return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
 
@@ -181,12 +184,30 @@ class SpeculationPolicy:
         self.tau += self.smoothing * (tokens_per_row - self.tau)
 
     def report(self) -> dict:
+        """The policy's state and decisions so far, JSON-safe (no infinities: an unmeasured cost is None)."""
+        finite = lambda v: round(v, 3) if v != float("inf") else None  # noqa: E731
         return {
             "mode": self.mode, "tau_estimate": round(self.tau, 3), "decisions": dict(self.decisions),
-            "plain_ms": {b: round(v, 2) for b, v in self.plain_ms.items()},
-            "speculative_ms": {b: round(v, 2) for b, v in self.speculative_ms.items()},
-            "break_even_tau": {b: round(self.break_even(b), 3) for b in self.plain_ms},
+            "plain_ms": {b: finite(v) for b, v in self.plain_ms.items()},
+            "speculative_ms": {b: finite(v) for b, v in self.speculative_ms.items()},
+            "break_even_tau": {b: finite(self.break_even(b)) for b in self.plain_ms},
         }
+
+
+def _seeded_sampling(request: BatchRequest) -> bool:
+    """A seeded request at T > 0 never drafts: speculative sampling draws a different (equally distributed)
+    sample than plain sampling from the same random stream, so a seeded row that drafted in some steps
+    and not in others (the policy follows the batch) would not repeat its output."""
+    return request.config.seed is not None and not request.config.sampling.greedy
+
+
+def _padded(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A batch of one as a batch of two (row 0 twice: the second writes only the free cache row 1, and its
+    outputs are dropped): the batched graphs are compiled for batches of 2 and more (torch.compile
+    specialises a dynamic size of 1), so one set of graphs serves every batch."""
+    if tensors[0].shape[0] != 1:
+        return tensors
+    return tuple(torch.cat([t, t]) for t in tensors)
 
 
 class BatchDecoder:
@@ -230,14 +251,14 @@ class BatchDecoder:
     def warmup(self, *, measure: bool = True, sizes: Sequence[int] | None = None, repeats: int = 3) -> dict:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
         (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
-        self.decoder.warmup()
+        self.decoder.tree  # noqa: B018 - resolves an auto tree (measured on the single-request functions)
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
         for batch in sizes:
             plain[batch] = self._time_step(batch, False, repeats if measure else 1)
             if self.heads is not None:
                 speculative[batch] = self._time_step(batch, True, repeats if measure else 1)
-        self.policy = SpeculationPolicy(plain, speculative or {1: float("inf")}, mode=self.speculate,
+        self.policy = SpeculationPolicy(plain, speculative, mode=self.speculate,
                                         prior_tau=self.policy.tau, explore_every=self.policy.explore_every)
         report = self.policy.report()
         logger.info("batch policy: %s", report)
@@ -257,28 +278,18 @@ class BatchDecoder:
         return sorted(times[1:])[len(times[1:]) // 2]
 
     def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
-        device = self.target.device
-        if batch == 1:
-            ids, positions, slots, mask = step_inputs(width, context, device)
-            view = self.cache.row(0)
-            self.runtime.step(width)(ids, positions, slots, mask, view.keys, view.values)
-            return
-        ids, positions, slots, mask = step_inputs(width, context, device)
-        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+        ids, positions, slots, mask = step_inputs(width, context, self.target.device)
+        rows = lambda t: t.expand(max(2, batch), *t.shape[1:]).contiguous()  # noqa: E731
         self.runtime.step_rows(width)(rows(ids), rows(positions), rows(slots[None]), rows(mask), self.cache.keys, self.cache.values)
 
     def _synthetic_draft(self, batch: int, context: int) -> None:
         device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
         width = self.decoder._widths()["advance"][0]
-        features = torch.zeros(batch, width, self.target.hidden_size, dtype=dtype, device=device)
+        features = torch.zeros(1, width, self.target.hidden_size, dtype=dtype, device=device)
         ids, positions, slots, mask = step_inputs(width, context, device)
-        if batch == 1:
-            view = self.head_cache.row(0)
-            hidden = self.heads.advance(width)(features, ids, positions, slots, mask, view.keys, view.values)[0, -1:]
-        else:
-            rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
-            hidden = self.heads.advance_rows(width)(features, rows(ids), rows(positions), rows(slots[None]), rows(mask),
-                                                    self.head_cache.keys, self.head_cache.values)[:, -1]
+        rows = lambda t: t.expand(max(2, batch), *t.shape[1:]).contiguous()  # noqa: E731
+        hidden = self.heads.advance_rows(width)(rows(features), rows(ids), rows(positions), rows(slots[None]), rows(mask),
+                                                self.head_cache.keys, self.head_cache.values)[:batch, -1]
         roots = torch.zeros(batch, dtype=torch.long, device=device)
         prefix = torch.full((batch,), context, dtype=torch.long, device=device)
         self._draft_rows(hidden.reshape(batch, -1), roots, prefix, [[0] * 4] * batch)
@@ -289,10 +300,15 @@ class BatchDecoder:
         """Raise ``EagleError`` when this decoder cannot run the request (the engine's one check)."""
         self.decoder._check_request(list(prompt_ids), config)
         if len(prompt_ids) + config.max_new_tokens > self.max_context:
-            raise EagleError(
+            raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed this batch "
                 f"decoder's context of {self.max_context} tokens"
             )
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a request with a ``prompt_len``-token prompt may ask for (<= 0: none)."""
+        tree_size = self.decoder.tree.size if self.decoder.head is not None else 0
+        return min(self.max_context - prompt_len, self.decoder.context_window - prompt_len - tree_size - 1)
 
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None, *,
                generated: Sequence[int] = ()) -> BatchRequest:
@@ -370,10 +386,9 @@ class BatchDecoder:
         if request.config.sampling.greedy:
             return None
         generator = torch.Generator(device=self.target.device)
-        if request.config.seed is not None:
-            generator.manual_seed(step_seed(request.config.seed, position))
-        else:
-            generator.seed()
+        seed = request.config.seed
+        # unseeded: a fresh stream drawn from torch's global generator (``torch.manual_seed`` repeats a run)
+        generator.manual_seed(step_seed(seed, position) if seed is not None else int(torch.randint(1 << 62, ())))
         return generator
 
     def _reseed(self, row: _Row) -> None:
@@ -427,11 +442,13 @@ class BatchDecoder:
         speculative = decision != "plain"
         for row in rows:
             self._reseed(row)
+        plain = [root_only(torch.tensor([row.root], device=self.target.device)) for row in rows]
         if speculative:
             self._catch_up()
-            trees = self._draft([row for row in rows])
+            drafted_trees = self._draft(rows)
+            trees = [p if _seeded_sampling(row.request) else t for row, t, p in zip(rows, drafted_trees, plain)]
         else:
-            trees = [root_only(torch.tensor([row.root], device=self.target.device)) for row in rows]
+            trees = plain
         drafted = time.perf_counter()
         results = self._verify(trees)
         verified = time.perf_counter()
@@ -460,8 +477,9 @@ class BatchDecoder:
                 self._finish(row, "stop")
             elif len(out) < len(new_tokens) or len(request.token_ids) >= config.max_new_tokens:
                 self._finish(row, "length")
-        if speculative:
-            self.policy.observe(accepted_total / batch)
+        drafting_rows = sum(1 for tree in trees if len(tree) > 1)
+        if drafting_rows:
+            self.policy.observe((accepted_total - (batch - drafting_rows)) / drafting_rows)
         return events
 
     def _catch_up(self) -> None:
@@ -488,13 +506,9 @@ class BatchDecoder:
             real = offsets[None] < counts[:, None]  # [B, W]
             local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
             local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
-            if batch == 1:
-                view = self.head_cache.row(0)
-                mask = rows_mask(prefix, real, local, int(prefix.max()) + width)
-                hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask[:, None], view.keys, view.values)
-            else:
-                mask = rows_mask(prefix, real, local, int(prefix.max()) + width)
-                hidden = self.heads.advance_rows(width)(features, tokens, positions, slots, mask[:, None], self.head_cache.keys, self.head_cache.values)
+            mask = rows_mask(prefix, real, local, int(prefix.max()) + width)[:, None]
+            advance = self.heads.advance_rows(width)
+            hidden = advance(*_padded(features, tokens, positions, slots, mask), self.head_cache.keys, self.head_cache.values)
             for b, row in enumerate(rows):
                 if not row.pending:
                     continue
@@ -528,12 +542,8 @@ class BatchDecoder:
         tree = self.tree
         base = _base(tree)
         batch = roots.numel()
-        if batch == 1:
-            expand = self.heads.expand(base.expand_width) if base.depth > 1 else None
-            trees = [draft_tree(self.heads.lean, expand, self.head_cache.row(0), hidden[0], roots[:1], int(prefix[0]), base)]
-        else:
-            expand = self.heads.expand_rows(base.expand_width) if base.depth > 1 else None
-            trees = draft_tree_rows(self.heads.lean, expand, self.head_cache, hidden, roots, prefix, base)
+        expand = self.heads.expand_rows(base.expand_width) if base.depth > 1 else None
+        trees = draft_tree_rows(self.heads.lean, expand, self.head_cache, *_padded(hidden, roots, prefix), base)[:batch]
         if isinstance(tree, HybridTree):
             from eagle.ngram import add_branch
 
@@ -563,12 +573,8 @@ class BatchDecoder:
         positions = start[:, None] + depths
         slots = start[:, None] + torch.arange(width, device=device)[None]
         mask = rows_mask(start, real, ancestry, int(start.max()) + width)[:, None]
-        if batch == 1:
-            view = self.cache.row(0)
-            features, logits, greedy = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
-            features, logits, greedy = features[None], logits[None], greedy[None]
-        else:
-            features, logits, greedy = self.runtime.step_rows(width)(ids, positions, slots, mask, self.cache.keys, self.cache.values)
+        step = self.runtime.step_rows(width)
+        features, logits, greedy = step(*_padded(ids, positions, slots, mask), self.cache.keys, self.cache.values)
         results, moves = [], []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             sampling = row.request.config.sampling

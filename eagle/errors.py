@@ -11,3 +11,7 @@ class UnknownTargetError(EagleError):
 
 class HeadMismatchError(EagleError):
     """A head was built for another target (hidden size, vocabulary or architecture differ)."""
+
+
+class ContextLengthError(EagleError):
+    """A request's prompt plus its token budget does not fit the context the decoder serves."""

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from eagle.compile import CompileConfig
-from eagle.errors import EagleError
+from eagle.errors import ContextLengthError, EagleError
 from eagle.head import EagleHead
 from eagle.model import KVCache
 from eagle.runtime import HeadRuntime, TargetRuntime, context_limit, head_runtime, step_inputs, target_runtime
@@ -375,7 +375,7 @@ class Decoder:
         tree_size = self.tree.size if self.head is not None else 0
         needed = len(prompt_ids) + config.max_new_tokens + tree_size + 1
         if needed > self.context_window:
-            raise EagleError(
+            raise ContextLengthError(
                 f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({config.max_new_tokens}) exceed the target's "
                 f"context window of {self.context_window} tokens"
             )

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve.openai_api import OpenAIIngress
-from serve.pair import PairServer
+from serve.pair import PairServer, PairSpec
 
 
 class AutoscalingArgs(BaseModel):
@@ -45,48 +45,22 @@ class AutoscalingArgs(BaseModel):
         return self
 
 
-class TreeArgs(BaseModel):
-    """The draft tree (``eagle.tree.build_tree``); None = the engine default."""
+class PairArgs(PairSpec):
+    """One pair: what it serves (``serve.pair.PairSpec``, the one schema of a pair and its defaults) and how
+    it is deployed."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["dynamic", "static", "auto", "hybrid"] = "dynamic"
-    depth: int | None = Field(None, ge=1)
-    top_k: int | None = Field(None, ge=1)
-    total_tokens: int | None = Field(None, ge=1)
-    branch_tokens: int | None = Field(None, ge=1)
-
-
-class PairArgs(BaseModel):
-    """One pair: what it serves (``serve.pair.PairSpec``) and how it is deployed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(min_length=1)
-    target: str = Field(min_length=1)
-    head: str | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    max_tokens: int = Field(1024, ge=1)
-    default_max_tokens: int = Field(256, ge=1)
-    watch_s: float | None = Field(30.0, gt=0)
-    threads: int | None = Field(1, ge=1)
-    tree: TreeArgs = Field(default_factory=TreeArgs)
-    compile: Literal["on", "off"] = "on"  # eagle.compile: "on" compiles once when the replica starts
-    # deployment
     autoscaling: AutoscalingArgs = Field(default_factory=AutoscalingArgs)
-    max_ongoing_requests: int = Field(4, ge=1)
+    max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int = Field(16, ge=-1)
     num_cpus: float = Field(1.0, ge=0)
     health_check_period_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0)
 
     def spec(self) -> dict[str, Any]:
-        """The ``PairSpec`` fields as a plain dict (what the replica constructor receives)."""
-        return {
-            "model": self.model, "target": self.target, "head": self.head, "dtype": self.dtype,
-            "max_tokens": self.max_tokens, "default_max_tokens": self.default_max_tokens, "watch_s": self.watch_s,
-            "threads": self.threads, "tree": self.tree.model_dump(), "compile": self.compile,
-        }
+        """The ``PairSpec`` fields as a plain dict (what the replica constructor receives and validates)."""
+        return self.model_dump(include=set(PairSpec.model_fields))
 
 
 class AppArgs(BaseModel):

@@ -1,18 +1,20 @@
 """One served pair: a target and its EAGLE head (or the target alone), as a plain class.
 
-``PairServer`` loads the pair, turns requests into ``eagle.generate.Decoder`` calls and swaps the head when
+``PairServer`` loads the pair, submits requests to an ``eagle.batch.BatchDecoder`` and swaps the head when
 the registry's alias moves. It knows nothing about HTTP or Ray Serve's deployment options: ``serve.app``
 makes it a deployment, ``serve.openai_api`` speaks HTTP. Tests run it in-process with tiny models.
 
-What a replica does today: one decode step at a time. Each request has its own ``Decoder.stream`` iterator
-(its own target and head KV caches, ``eagle.generate._State``); steps of concurrent requests run one after
-the other on a single-thread executor, so requests interleave at step granularity and never share state.
-Batched speculative decoding (several requests verified in one target forward) is a later goal.
+Batching: one decode thread per replica steps the batch decoder; every live request of the replica (up
+to ``max_batch_size``; more wait in the engine's queue) advances by one step per target forward, and each
+step's tokens go to the request's asyncio queue, so streaming stays per request. The engine owns the
+request rules (context window, stop tokens, tau); the server renders text, applies stop strings and
+resumes requests whose first replica died (``Request.resume_token_ids``).
 
 Hot swap: with a ``models:/<name>@<alias>`` head, a watcher thread polls the registry every ``watch_s``
-seconds; when the alias points at a new version it downloads and loads that head beside the current one,
-then swaps the decoder reference. Requests already running keep the decoder they started with, so none is
-dropped; new requests get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
+seconds; when the alias points at a new version it downloads and loads that head (a new batch decoder)
+beside the current one, then swaps the reference. Requests already running finish on the engine they
+started with (the decode loop steps both until the old one is empty), so none is dropped; new requests
+get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any, AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
-from eagle.errors import EagleError
-from eagle.generate import Decoder, GenerationConfig, StepStats
+from eagle.batch import BatchDecoder, BatchRequest
+from eagle.errors import ContextLengthError, EagleError
+from eagle.generate import Decoder, GenerationConfig, StepOutput
 from eagle.target import Target
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
@@ -54,23 +57,27 @@ def _rebuild_request_error(message: str, param: str | None, code: str | None) ->
     return RequestError(message, param=param, code=code)
 
 
-@dataclass(frozen=True)
-class TreeSettings:
+WATCH_S = 30.0  # the registry poll interval of a models:/...@alias head, unless a pair sets its own
+
+
+class TreeSettings(BaseModel):
     """The draft tree (``eagle.tree.build_tree``: kind and sizes); None = the engine default."""
 
-    kind: str = "dynamic"
-    depth: int | None = None
-    top_k: int | None = None
-    total_tokens: int | None = None
-    branch_tokens: int | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["dynamic", "static", "auto", "hybrid"] = "dynamic"
+    depth: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1)
+    total_tokens: int | None = Field(None, ge=1)
+    branch_tokens: int | None = Field(None, ge=1)
 
     def build(self) -> TreeSpec:
         return build_tree(self.kind, depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens, branch_tokens=self.branch_tokens)
 
 
-@dataclass(frozen=True)
-class PairSpec:
-    """What one pair serves.
+class PairSpec(BaseModel):
+    """What one pair serves: the one schema of a pair (``serve.app.PairArgs`` adds how it is deployed; a
+    replica receives this model's dict and validates it again here).
 
     Attributes:
         model: the id clients send as ``model`` (e.g. ``smollm2-135m-eagle``).
@@ -78,23 +85,32 @@ class PairSpec:
         head: ``models:/<name>@<alias>`` (registry), a local head directory, or None for the target alone.
         dtype: weights and compute dtype of target and head.
         max_tokens: the largest ``max_tokens`` a request may ask for.
-        default_max_tokens: used when a request gives none.
+        default_max_tokens: used when a request gives none (capped by what fits the context).
         watch_s: registry poll interval for hot swap (``models:/...@alias`` heads only); None disables it.
-        threads: torch intra-op threads per replica (None: torch's default).
+        threads: torch intra-op threads per replica (None: torch's default, every core).
         tree: the draft tree.
-        compile: ``eagle.compile`` mode of the decoder ("on": compiled once when the replica starts).
+        compile: ``eagle.compile`` mode ("on": the batched functions compile when the replica starts).
+        max_batch_size: requests one replica decodes together (``eagle.batch.BatchDecoder``); more wait.
+        max_context: prompt + completion tokens per request (the replica's KV cache holds
+            ``max_batch_size`` rows of this many slots); capped by the target's context window.
+        speculate: the batch's speculation policy: "auto" (measured costs), "always" or "never".
     """
 
-    model: str
-    target: str
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(min_length=1)
+    target: str = Field(min_length=1)
     head: str | None = None
-    dtype: str = "bfloat16"
-    max_tokens: int = 1024
-    default_max_tokens: int = 256
-    watch_s: float | None = 30.0
-    threads: int | None = None
-    tree: TreeSettings = field(default_factory=TreeSettings)
-    compile: str = "on"
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    max_tokens: int = Field(1024, ge=1)
+    default_max_tokens: int = Field(256, ge=1)
+    watch_s: float | None = Field(WATCH_S, gt=0)
+    threads: int | None = Field(None, ge=1)
+    tree: TreeSettings = Field(default_factory=TreeSettings)
+    compile: Literal["on", "off"] = "on"
+    max_batch_size: int = Field(8, ge=1)
+    max_context: int = Field(2048, ge=2)
+    speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
 
 
 @dataclass(frozen=True)
@@ -125,6 +141,7 @@ class _Loaded:
     """An immutable snapshot of what serves requests: swapped as a whole on hot swap."""
 
     decoder: Decoder
+    engine: BatchDecoder
     head_dir: str | None
     head_version: str | None  # registry version, or None for a local folder / no head
     loaded_at: float
@@ -155,10 +172,16 @@ class _Metrics:
         seconds = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
         self.ttft = metrics.Histogram("eagle_time_to_first_token_s", "Seconds to the first token.", boundaries=seconds, tag_keys=keys)
         self.latency = metrics.Histogram("eagle_request_latency_s", "Seconds per request.", boundaries=seconds, tag_keys=keys)
+        self.batch = metrics.Histogram(
+            "eagle_batch_size", "Mean number of requests sharing a request's target forwards (continuous batching).",
+            boundaries=[1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0], tag_keys=keys,
+        )
 
-    def finished(self, *, tokens: int, tau: float | None, ttft: float | None, latency: float) -> None:
+    def finished(self, *, tokens: int, tau: float | None, ttft: float | None, latency: float, batch: float | None = None) -> None:
         if not self.enabled:
             return
+        if batch is not None:
+            self.batch.observe(batch, tags=self.tags)
         self.requests.inc(1, tags={**self.tags, "outcome": "ok"})
         self.tokens.inc(tokens, tags=self.tags)
         if tau:
@@ -278,7 +301,7 @@ class PairServer:
     def __init__(self, spec: PairSpec | dict[str, Any], *, target: Target | None = None) -> None:
         """``spec`` (a PairSpec or its dict form, as Serve passes it); ``target`` injects an already loaded
         target (tests), else ``spec.target`` is loaded."""
-        self.spec = spec if isinstance(spec, PairSpec) else pair_spec_from_dict(spec)
+        self.spec = spec if isinstance(spec, PairSpec) else PairSpec.model_validate(spec)
         if self.spec.threads:
             torch.set_num_threads(self.spec.threads)
         from eagle.target import load_target
@@ -290,8 +313,16 @@ class PairServer:
         self._head_spec = self.spec.head
         self._loaded = self._load(self._head_spec)
         self._swap_lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"decode-{self.spec.model}")
         self._metrics = _Metrics(self.spec.model)
+        # the decode loop: one thread steps the current engine (and, after a hot swap, the previous one until
+        # its requests finish); requests wait on asyncio queues that the loop fills between steps
+        self._engines: list[BatchDecoder] = [self._loaded.engine]
+        self._waiters: dict[int, tuple[BatchRequest, asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        self._work = threading.Condition()
+        self._closed = False
+        self._loop_error: str | None = None
+        self._decode_thread = threading.Thread(target=self._decode_loop, name=f"decode-{self.spec.model}", daemon=True)
+        self._decode_thread.start()
         self._stop_watch = threading.Event()
         self._watch_s = self.spec.watch_s
         self._watch_error: str | None = None
@@ -306,26 +337,27 @@ class PairServer:
         from eagle.head import EagleHead
 
         if head_spec is None:
-            return _Loaded(self._ready(None), None, None, time.time())
+            return _Loaded(*self._ready(None), None, None, time.time())
         head_dir, version = _resolve_head_dir(head_spec)
         head = EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
-        return _Loaded(self._ready(head), head_dir, version, time.time())
+        return _Loaded(*self._ready(head), head_dir, version, time.time())
 
-    def _ready(self, head) -> Decoder:
-        """A decoder whose functions are compiled (and auto tree chosen) before it serves a request: on hot
-        swap this runs on the watcher thread while the old head keeps serving."""
+    def _ready(self, head) -> tuple[Decoder, BatchDecoder]:
+        """A batch decoder whose functions are compiled (auto tree chosen, policy costs measured) before it
+        serves a request: on hot swap this runs on the watcher thread while the old head keeps serving."""
         decoder = Decoder(self.target, head, self.tree, compile=self.spec.compile)
-        seconds = decoder.warmup()
-        if seconds:
-            logger.info("pair %s: compiled in %.1f s (%s)", self.spec.model, sum(seconds.values()), ", ".join(seconds))
-        return decoder
+        engine = BatchDecoder(decoder, max_batch=self.spec.max_batch_size, max_context=self.spec.max_context, speculate=self.spec.speculate)
+        started = time.perf_counter()
+        report = engine.warmup()
+        logger.info("pair %s: ready in %.1f s; speculation policy %s", self.spec.model, time.perf_counter() - started, report)
+        return decoder, engine
 
     def _start_watcher(self) -> None:
         self._watcher = threading.Thread(target=self._watch, name=f"head-watch-{self.spec.model}", daemon=True)
         self._watcher.start()
 
     def _watch(self) -> None:
-        while not self._stop_watch.wait(self._watch_s or 30.0):
+        while not self._stop_watch.wait(self._watch_s or WATCH_S):
             try:
                 self.refresh()
                 self._watch_error = None
@@ -344,6 +376,7 @@ class PairServer:
         loaded = self._load(f"models:/{name}/{current}")
         with self._swap_lock:
             previous, self._loaded = self._loaded, loaded
+        self._add_engine(loaded.engine)
         logger.info("pair %s: %s moved, head version %s -> %s", self.spec.model, spec, previous.head_version, loaded.head_version)
         return True
 
@@ -357,13 +390,71 @@ class PairServer:
             loaded = self._load(head)
             with self._swap_lock:
                 self._loaded, self._head_spec = loaded, head
+            self._add_engine(loaded.engine)
             logger.info("pair %s: reconfigured to head %s (version %s)", self.spec.model, head, loaded.head_version)
         if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s and self._watcher is None:
             self._start_watcher()
 
     def shutdown(self) -> None:
         self._stop_watch.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._work:
+            self._closed = True
+            self._work.notify_all()
+
+    # ---- the decode loop ------------------------------------------------------------------------------
+
+    def _add_engine(self, engine: BatchDecoder) -> None:
+        with self._work:
+            if engine not in self._engines:
+                self._engines.insert(0, engine)
+            self._work.notify_all()
+
+    def _decode_loop(self) -> None:
+        """Step every engine with work, deliver each step's outputs, sleep when there is none."""
+        try:
+            while True:
+                with self._work:
+                    while not self._closed and all(engine.idle for engine in self._engines) and not self._undelivered():
+                        self._work.wait()
+                    if self._closed:
+                        return
+                    # a swapped-out engine stays until its last request finished
+                    self._engines = [e for i, e in enumerate(self._engines) if i == 0 or not e.idle]
+                    engines = [engine for engine in self._engines if not engine.idle]
+                for engine in engines:
+                    engine.step()
+                self._deliver()
+        except BaseException as err:  # noqa: BLE001 - the replica is unusable: health checks report it
+            self._loop_error = f"{type(err).__name__}: {err}"
+            logger.exception("pair %s: decode loop died", self.spec.model)
+            with self._work:
+                self._closed = True
+            self._deliver(failed=RuntimeError(f"decode loop died: {self._loop_error}"))
+
+    def _undelivered(self) -> bool:
+        """Whether a request finished or produced outputs its waiter has not been handed (it may have been
+        decoded before its waiter registered); called with ``_work`` held."""
+        return any(request.done or len(request.outputs) > sent[0] for request, _, _, sent in self._waiters.values())
+
+    def _deliver(self, failed: BaseException | None = None) -> None:
+        """Hand every waiting request its new outputs, then its end (``None``) once it is done."""
+        with self._work:
+            waiters = list(self._waiters.items())
+        for key, (request, loop, queue, sent) in waiters:
+            new = request.outputs[sent[0]:]
+            sent[0] += len(new)
+            done = request.done or failed is not None
+            if new or done:
+                items: list[Any] = list(new)
+                if done:
+                    items.append(request.error or failed)
+                try:
+                    loop.call_soon_threadsafe(_put_all, queue, items)
+                except RuntimeError:  # the request's event loop is gone (client went away)
+                    pass
+            if done:
+                with self._work:
+                    self._waiters.pop(key, None)
 
     def __del__(self) -> None:  # Serve drops replicas by garbage collection
         try:
@@ -375,8 +466,10 @@ class PairServer:
 
     def check_health(self) -> None:
         """Serve's health check: raises when this replica cannot serve (Serve then replaces it)."""
-        if self._executor._shutdown:  # noqa: SLF001 - the executor is ours
-            raise RuntimeError(f"pair {self.spec.model}: decode executor is shut down")
+        if self._loop_error is not None:
+            raise RuntimeError(f"pair {self.spec.model}: decode loop died: {self._loop_error}")
+        if self._closed or not self._decode_thread.is_alive():
+            raise RuntimeError(f"pair {self.spec.model}: decode loop is not running")
 
     def info(self) -> dict[str, Any]:
         loaded = self._loaded
@@ -387,7 +480,10 @@ class PairServer:
             "head": self._head_spec,
             "head_version": loaded.head_version,
             "speculative": loaded.decoder.head is not None,
-            "tree": asdict(self.spec.tree),
+            "tree": self.spec.tree.model_dump(),
+            "max_batch_size": self.spec.max_batch_size,
+            "active_requests": sum(engine.active for engine in self._engines),
+            "speculation_policy": loaded.engine.policy.report(),
             "dtype": self.spec.dtype,
             "context_window": loaded.decoder.context_window,
             "max_tokens": self.spec.max_tokens,
@@ -419,25 +515,14 @@ class PairServer:
             raise RequestError("the prompt is empty", param="prompt")
         return ids
 
-    def _config(self, request: Request, prompt_len: int, decoder: Decoder) -> GenerationConfig:
+    def _config(self, request: Request, prompt_len: int, engine: BatchDecoder) -> GenerationConfig:
+        """The request's settings; the context rule is the engine's (``BatchDecoder.room`` / ``check``)."""
         max_tokens = request.max_tokens if request.max_tokens is not None else self.spec.default_max_tokens
         if max_tokens > self.spec.max_tokens:
             raise RequestError(f"max_tokens must be at most {self.spec.max_tokens}, got {max_tokens}", param="max_tokens")
-        window = decoder.context_window
-        tree_size = decoder.tree.size if decoder.head is not None else 0
-        room = window - prompt_len - tree_size - 1
-        if room <= 0:
-            raise RequestError(
-                f"the prompt has {prompt_len} tokens; this model's context window is {window} tokens",
-                param="messages" if request.messages is not None else "prompt", code="context_length_exceeded",
-            )
-        if request.max_tokens is None:
+        room = engine.room(prompt_len)
+        if request.max_tokens is None and room > 0:
             max_tokens = min(max_tokens, room)
-        elif max_tokens > room:
-            raise RequestError(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({max_tokens}) exceed this model's context window "
-                f"of {window} tokens", param="max_tokens", code="context_length_exceeded",
-            )
         try:
             sampling = SamplingConfig(temperature=request.temperature, top_p=request.top_p)
             return GenerationConfig(max_new_tokens=max_tokens, sampling=sampling, seed=request.seed)
@@ -465,62 +550,100 @@ class PairServer:
         released, hit = stops.push(text.primed)  # the delivered text itself is never sent again
         left = config.max_new_tokens - len(ids)
         finish = "stop" if hit or ids[-1] in stop_ids else ("length" if left == 0 else None)
-        return _Resume(ids, replace(config, max_new_tokens=left) if finish is None else None, finish, stops, text, released)
+        return _Resume(ids, config if finish is None else None, finish, stops, text, released)
 
-    def _run(self, request: Request) -> Iterator[dict[str, Any]]:
-        """The synchronous event stream of one request: a ``start`` event, ``delta`` events (each with that
-        step's ``token_ids``, its text possibly empty while held back), an ``end`` event. Validation errors
-        raise before the first event. A resumed request (``_resume``) continues after what was delivered."""
-        loaded = self._loaded  # this request keeps this head even if a swap happens meanwhile
-        prompt_ids = self._prompt_ids(request)
-        config = self._config(request, len(prompt_ids), loaded.decoder)
-        stop_ids = set(config.stop_token_ids or self.target.eos_token_ids)
-        resume = self._resume(request, config, stop_ids)
+    def _submit(self, loaded: _Loaded, prompt_ids: list[int], resume: _Resume, request: Request) -> tuple[BatchRequest, asyncio.Queue]:
+        """Queue the request on the engine (its checks raise here, as 4xx) and register where its outputs go."""
+        try:
+            queued = loaded.engine.submit(prompt_ids, resume.config, generated=resume.token_ids)
+        except ContextLengthError as err:
+            param = "max_tokens" if request.max_tokens is not None else ("messages" if request.messages is not None else "prompt")
+            raise RequestError(f"{err} (this model's context window is {loaded.engine.max_context} tokens)", param=param,
+                               code="context_length_exceeded") from None
+        except EagleError as err:
+            raise RequestError(str(err)) from None
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._work:
+            self._waiters[queued.id] = (queued, asyncio.get_running_loop(), queue, [0])
+            self._work.notify_all()
+        return queued, queue
+
+    async def stream(self, request: Request | dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """The request's events: ``start``, ``delta`` events (each with that step's ``token_ids``, its text
+        possibly empty while held back), ``end``. Validation errors raise before the first event. The request
+        joins the replica's batch (``eagle.batch.BatchDecoder``) and each of its steps' tokens arrive from the
+        decode loop; a resumed request (``_resume``) continues after what was delivered."""
+        request = request if isinstance(request, Request) else request_from_dict(request)
+        try:
+            if self._closed:
+                raise RuntimeError(f"pair {self.spec.model}: decode loop is not running")
+            loaded = self._loaded  # this request keeps this head even if a swap happens meanwhile
+            prompt_ids = self._prompt_ids(request)
+            config = self._config(request, len(prompt_ids), loaded.engine)
+            stop_ids = loaded.decoder._stop_ids(config)
+            resume = self._resume(request, config, stop_ids)
+            queued, queue = self._submit(loaded, prompt_ids, resume, request) if resume.config else (None, None)
+        except RequestError:
+            self._metrics.failed("invalid")
+            raise
         request_id = uuid.uuid4().hex
+        started = time.perf_counter()
         yield {"type": "start", "id": request_id, "prompt_tokens": len(prompt_ids), "head_version": loaded.head_version,
                "replica": _replica_id()}
-        started = time.perf_counter()
         stops = resume.stops
-        steps: list[StepStats] = []
         tokens = len(resume.token_ids)
         finish = resume.finish or "length"
         first_token_s: float | None = None
-        if resume.released:
-            yield {"type": "delta", "text": resume.released, "token_ids": []}
-        outputs = loaded.decoder.stream(prompt_ids + resume.token_ids, resume.config) if resume.config else iter(())
-        for output in outputs:
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - started
-            if output.stats is not None:
-                steps.append(output.stats)
-            tokens += len(output.token_ids)
-            text, hit = stops.push(resume.text.push(output.token_ids) if resume.text else output.text)
-            if output.token_ids and output.token_ids[-1] in stop_ids:
-                finish = "stop"
-            if text or output.token_ids:
-                yield {"type": "delta", "text": text, "token_ids": list(output.token_ids)}
-            if hit:
-                finish = "stop"
-                break
-        else:
-            tail = stops.flush()
-            if tail:
-                yield {"type": "delta", "text": tail, "token_ids": []}
+        try:
+            if resume.released:
+                yield {"type": "delta", "text": resume.released, "token_ids": []}
+            while queue is not None:
+                item = await queue.get()
+                if not isinstance(item, StepOutput):
+                    if item is not None:
+                        raise item
+                    finish = queued.finish_reason if queued.finish_reason in ("stop", "length") else finish
+                    tail = stops.flush()
+                    if tail:
+                        yield {"type": "delta", "text": tail, "token_ids": []}
+                    break
+                if first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                tokens += len(item.token_ids)
+                text, hit = stops.push(resume.text.push(item.token_ids) if resume.text else item.text)
+                if text or item.token_ids:
+                    yield {"type": "delta", "text": text, "token_ids": list(item.token_ids)}
+                if hit:
+                    finish = "stop"
+                    break
+        except Exception:
+            self._metrics.failed("error")
+            raise
+        finally:
+            if queued is not None and not queued.done:
+                loaded.engine.cancel(queued)  # a stop string, or the client went away: free the row
+                with self._work:
+                    self._work.notify_all()
         total_s = time.perf_counter() - started
+        steps = queued.steps if queued is not None else []
+        tau = queued.tau if queued is not None else None
         accepted = sum(s.accepted for s in steps)
-        tau = (accepted + len(steps)) / len(steps) if steps else None
-        generated = tokens - len(resume.token_ids)
-        self._metrics.finished(tokens=generated, tau=tau if loaded.decoder.head is not None else None, ttft=first_token_s, latency=total_s)
+        batch_mean = sum(s.batch for s in steps) / len(steps) if steps else None
+        speculative = loaded.decoder.head is not None
+        self._metrics.finished(tokens=tokens - len(resume.token_ids), tau=tau if speculative else None, ttft=first_token_s,
+                               latency=total_s, batch=batch_mean)
         yield {
             "type": "end",
             "finish_reason": finish,
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": tokens, "total_tokens": len(prompt_ids) + tokens},
             "eagle": {
                 "head_version": loaded.head_version,
-                "speculative": loaded.decoder.head is not None,
-                "target_forwards": len(steps) + 1 if resume.config else 0,  # + the prefill
+                "speculative": speculative,
+                "target_forwards": len(steps) + (1 if queued is not None and not resume.token_ids else 0),  # + the prefill
                 "accepted_tokens": accepted,
                 "tau": round(tau, 4) if tau is not None else None,
+                "batch_size_mean": round(batch_mean, 3) if batch_mean is not None else None,
+                "drafted_steps": sum(1 for s in steps if s.policy != "plain"),
                 "draft_s": round(sum(s.draft_s for s in steps), 6),
                 "verify_s": round(sum(s.verify_s for s in steps), 6),
                 "time_to_first_token_s": round(first_token_s or 0.0, 6),
@@ -529,28 +652,6 @@ class PairServer:
                 "replica": _replica_id(),
             },
         }
-
-    async def stream(self, request: Request | dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """The request's events (``start``, ``delta``..., ``end``); each decode step runs on the replica's
-        single decode thread, so the event loop stays free for health checks and other requests."""
-        request = request if isinstance(request, Request) else request_from_dict(request)
-        events = self._run(request)
-        loop = asyncio.get_running_loop()
-        sentinel = object()
-        try:
-            while True:
-                event = await loop.run_in_executor(self._executor, next, events, sentinel)
-                if event is sentinel:
-                    return
-                yield event
-        except RequestError:
-            self._metrics.failed("invalid")
-            raise
-        except Exception:
-            self._metrics.failed("error")
-            raise
-        finally:
-            await loop.run_in_executor(self._executor, events.close)  # frees the request's caches
 
     async def generate(self, request: Request | dict[str, Any]) -> dict[str, Any]:
         """The whole answer: ``{"id", "text", "finish_reason", "usage", "eagle"}``."""
@@ -567,6 +668,11 @@ class PairServer:
         return result
 
 
+def _put_all(queue: asyncio.Queue, items: list[Any]) -> None:
+    for item in items:
+        queue.put_nowait(item)
+
+
 def _replica_id() -> str | None:
     """This Serve replica's unique id (its actor is ``SERVE_REPLICA::<app>#<deployment>#<id>``); None outside Serve."""
     try:
@@ -575,12 +681,6 @@ def _replica_id() -> str | None:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - any failure means "not in a replica"
         return None
-
-
-def pair_spec_from_dict(raw: dict[str, Any]) -> PairSpec:
-    raw = dict(raw)
-    tree = raw.pop("tree", None) or {}
-    return PairSpec(**raw, tree=TreeSettings(**tree))
 
 
 def request_from_dict(raw: dict[str, Any]) -> Request:
