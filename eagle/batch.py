@@ -19,9 +19,11 @@ settings, seed and stop rules; a step is
 
 Layout choice (padded rows, not a paged pool): on this CPU a pool shared by all rows would make each
 query attend over every request's slots (B times the attention work of a row that sees only its own);
-padded rows cost memory (``max_batch`` x capacity slots) but keep attention per row and let the
-compiled graphs (``eagle.compile``: one per width, the batch a dynamic dimension) serve every batch.
-A batch of one runs as a batch of two whose second row is a discarded copy (``_padded``).
+padded rows cost memory (``max_batch`` x capacity slots) but keep attention per row (a flat
+pool was not measured: it was ruled out by that arithmetic). Under ``compile="on"`` a batch of one runs the single-request compiled graphs on row 0; batches of two
+and more run eagerly, with the weights prepacked for oneDNN on CPU (``eagle.runtime.PackedLinear``):
+compiled with a dynamic batch dimension the step was slower than eager and erratic on this CPU, and a
+graph per batch size costs minutes of compilation each.
 
 Lossless per request: a row's tokens depend only on its own cache row and its own random stream, so each
 request's greedy output equals its batch-1 plain decoding (tests/test_batch.py, fp32), and at T > 0 each
@@ -56,7 +58,7 @@ from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, _TextDelta, _truncate
 from eagle.model import KVCache
 from eagle.runtime import step_inputs
-from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree_rows, root_only, rows_mask
+from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
 from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
 
 logger = logging.getLogger(__name__)
@@ -201,15 +203,6 @@ def _seeded_sampling(request: BatchRequest) -> bool:
     return request.config.seed is not None and not request.config.sampling.greedy
 
 
-def _padded(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A batch of one as a batch of two (row 0 twice: the second writes only the free cache row 1, and its
-    outputs are dropped): the batched graphs are compiled for batches of 2 and more (torch.compile
-    specialises a dynamic size of 1), so one set of graphs serves every batch."""
-    if tensors[0].shape[0] != 1:
-        return tensors
-    return tuple(torch.cat([t, t]) for t in tensors)
-
-
 class BatchDecoder:
     """Continuous batching over one ``Decoder``'s target, head, tree and compiled functions.
 
@@ -231,7 +224,7 @@ class BatchDecoder:
         self.max_context = min(max_context or decoder.context_window, decoder.context_window)
         self.tree = decoder.tree if decoder.head is not None else None
         self.capacity = _round_up(self.max_context + decoder._scratch() + 1, 64)
-        rows = max(2, max_batch)  # the batched graphs take a cache of >= 2 rows (batch 1 runs on row 0)
+        rows = max_batch
         self.cache = self.runtime.new_cache(self.capacity, rows)
         self.head_cache = self.heads.new_cache(self.capacity, rows) if self.heads is not None else None
         self.rows: list[_Row] = []
@@ -244,6 +237,10 @@ class BatchDecoder:
 
     # ---- widths and warm-up -----------------------------------------------------------------------
 
+    def _single(self, batch: int) -> bool:
+        """Whether a step of ``batch`` rows runs the single-request compiled graphs (row 0)."""
+        return batch == 1 and self.decoder.compile.enabled
+
     def _verify_width(self, speculative: bool) -> int:
         return max(self.decoder._widths()["verify"]) if speculative else 1
 
@@ -251,7 +248,7 @@ class BatchDecoder:
     def warmup(self, *, measure: bool = True, sizes: Sequence[int] | None = None, repeats: int = 3) -> dict:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
         (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
-        self.decoder.tree  # noqa: B018 - resolves an auto tree (measured on the single-request functions)
+        self.decoder.warmup()  # resolves an auto tree; compiles the single-request graphs a batch of one runs
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
         for batch in sizes:
@@ -279,20 +276,28 @@ class BatchDecoder:
 
     def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
         ids, positions, slots, mask = step_inputs(width, context, self.target.device)
-        rows = lambda t: t.expand(max(2, batch), *t.shape[1:]).contiguous()  # noqa: E731
-        self.runtime.step_rows(width)(rows(ids), rows(positions), rows(slots[None]), rows(mask), self.cache.keys, self.cache.values)
+        if self._single(batch):
+            view = self.cache.row(0)
+            self.runtime.step(width)(ids, positions, slots, mask, view.keys, view.values)
+            return
+        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+        self.runtime.rows_model.step_rows(rows(ids), rows(positions), rows(slots[None]), rows(mask), self.cache.keys, self.cache.values)
 
     def _synthetic_draft(self, batch: int, context: int) -> None:
         device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
         width = self.decoder._widths()["advance"][0]
         features = torch.zeros(1, width, self.target.hidden_size, dtype=dtype, device=device)
         ids, positions, slots, mask = step_inputs(width, context, device)
-        rows = lambda t: t.expand(max(2, batch), *t.shape[1:]).contiguous()  # noqa: E731
-        hidden = self.heads.advance_rows(width)(rows(features), rows(ids), rows(positions), rows(slots[None]), rows(mask),
-                                                self.head_cache.keys, self.head_cache.values)[:batch, -1]
+        if self._single(batch):
+            view = self.head_cache.row(0)
+            hidden = self.heads.advance(width)(features, ids, positions, slots, mask, view.keys, view.values)[:, -1]
+        else:
+            rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+            hidden = self.heads.rows_lean(rows(features), rows(ids), rows(positions), rows(slots[None]), rows(mask),
+                                          self.head_cache.keys, self.head_cache.values)[:, -1]
         roots = torch.zeros(batch, dtype=torch.long, device=device)
         prefix = torch.full((batch,), context, dtype=torch.long, device=device)
-        self._draft_rows(hidden.reshape(batch, -1), roots, prefix, [[0] * 4] * batch)
+        self._draft_rows(hidden, roots, prefix, [[0] * 4] * batch)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -507,8 +512,11 @@ class BatchDecoder:
             local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
             local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
             mask = rows_mask(prefix, real, local, int(prefix.max()) + width)[:, None]
-            advance = self.heads.advance_rows(width)
-            hidden = advance(*_padded(features, tokens, positions, slots, mask), self.head_cache.keys, self.head_cache.values)
+            if self._single(batch):
+                view = self.head_cache.row(0)
+                hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask, view.keys, view.values)
+            else:
+                hidden = self.heads.rows_lean(features, tokens, positions, slots, mask, self.head_cache.keys, self.head_cache.values)
             for b, row in enumerate(rows):
                 if not row.pending:
                     continue
@@ -542,8 +550,12 @@ class BatchDecoder:
         tree = self.tree
         base = _base(tree)
         batch = roots.numel()
-        expand = self.heads.expand_rows(base.expand_width) if base.depth > 1 else None
-        trees = draft_tree_rows(self.heads.lean, expand, self.head_cache, *_padded(hidden, roots, prefix), base)[:batch]
+        if self._single(batch):
+            expand = self.heads.expand(base.expand_width) if base.depth > 1 else None
+            trees = [draft_tree(self.heads.lean, expand, self.head_cache.row(0), hidden[0], roots[:1], int(prefix[0]), base)]
+        else:
+            lean = self.heads.rows_lean
+            trees = draft_tree_rows(lean, lean.expand_rows, self.head_cache, hidden, roots, prefix, base)
         if isinstance(tree, HybridTree):
             from eagle.ngram import add_branch
 
@@ -573,8 +585,12 @@ class BatchDecoder:
         positions = start[:, None] + depths
         slots = start[:, None] + torch.arange(width, device=device)[None]
         mask = rows_mask(start, real, ancestry, int(start.max()) + width)[:, None]
-        step = self.runtime.step_rows(width)
-        features, logits, greedy = step(*_padded(ids, positions, slots, mask), self.cache.keys, self.cache.values)
+        if self._single(batch):
+            view = self.cache.row(0)
+            features, logits, greedy = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
+            features, logits, greedy = features[None], logits[None], greedy[None]
+        else:
+            features, logits, greedy = self.runtime.rows_model.step_rows(ids, positions, slots, mask, self.cache.keys, self.cache.values)
         results, moves = [], []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             sampling = row.request.config.sampling

@@ -72,10 +72,6 @@ def _settings(device: torch.device, autotune: bool) -> tuple[dict[str, Any], dic
     return {}, inductor
 
 
-def _dims(dims: int | tuple[int, ...]) -> tuple[int, ...]:
-    return dims if isinstance(dims, tuple) else (dims,)
-
-
 class _Method(nn.Module):
     """``module.<method>`` as a module's forward: compiled as a module, its parameters are the graph's
     frozen constants (a bound method compiles with the weights as ordinary inputs: no prepacked weights,
@@ -94,15 +90,14 @@ class CompiledFunction:
     """``module.<method>`` (or a plain function) compiled on first call (timed), then called without
     recompiling.
 
-    ``dynamic`` maps argument positions to the dimension (or tuple of dimensions) that vary between calls
-    (the KV length: dim 3 of the mask; the cache capacity: dim 2 of every cache buffer; for batched
-    functions also the batch: dim 0 of every input); for list arguments every tensor in the list is marked. On CUDA nothing is marked: the mask is padded to the cache's whole capacity (which the
+    ``dynamic`` maps argument positions to the dimensions that vary between calls (the KV length: dim 3 of
+    the mask; the cache capacity: dim 2 of every cache buffer); for list arguments every tensor in the list
+    is marked. On CUDA nothing is marked: the mask is padded to the cache's whole capacity (which the
     decoder keeps fixed there), so every call has one shape and CUDA graphs can replay it.
     """
 
     def __init__(
-        self, fn: Callable | tuple[nn.Module, str], name: str, config: CompileConfig, device: torch.device,
-        dynamic: dict[int, int | tuple[int, ...]],
+        self, fn: Callable | tuple[nn.Module, str], name: str, config: CompileConfig, device: torch.device, dynamic: dict[int, int]
     ) -> None:
         self.name = name
         self.config = config
@@ -112,8 +107,8 @@ class CompiledFunction:
             fn = _Method(*fn)
         self.eager = fn
         self.static_kv = device.type == "cuda"
-        self._mask_at = next((i for i, dims in dynamic.items() if 3 in _dims(dims)), None)
-        self._keys_at = next((i for i, dims in dynamic.items() if 2 in _dims(dims)), None)
+        self._mask_at = next((i for i, dim in dynamic.items() if dim == 3), None)
+        self._keys_at = next((i for i, dim in dynamic.items() if dim == 2), None)
         arguments, self._inductor = _settings(device, config.autotune)
         self._compiled = torch.compile(fn, dynamic=False, **arguments) if config.enabled else None
 
@@ -128,11 +123,10 @@ class CompiledFunction:
     def _mark(self, args: tuple) -> None:
         if self.static_kv:
             return
-        for position, dims in self.dynamic.items():
+        for position, dim in self.dynamic.items():
             value = args[position]
             for tensor in value if isinstance(value, (list, tuple)) else (value,):
-                for dim in _dims(dims):
-                    torch._dynamo.mark_dynamic(tensor, dim)  # a batch (dim 0) is >= 2: batch 1 runs the 1-row graphs
+                torch._dynamo.mark_dynamic(tensor, dim)
 
     @torch.inference_mode()  # the graphs are compiled for (and guarded on) inference mode
     def __call__(self, *args):

@@ -164,10 +164,10 @@ class LeanLayer(nn.Module):
         if slots.dim() == 1:
             keys.index_copy_(2, slots, key)
             values.index_copy_(2, slots, value)
-        else:  # per-row slots: row b writes its q tokens at slots[b]
-            index = slots[:, None, :, None].expand(batch, shape.kv_heads, q, shape.head_dim)
-            keys[:batch].scatter_(2, index, key)
-            values[:batch].scatter_(2, index, value)
+        else:  # per-row slots: row b writes its q tokens at slots[b] (an index_put: scatter_ is ~50x slower on CPU)
+            rows = torch.arange(batch, device=slots.device)[:, None]
+            keys[rows, :, slots] = key.transpose(1, 2)
+            values[rows, :, slots] = value.transpose(1, 2)
         kv = mask.shape[-1]  # the committed length + this step on CPU; the whole buffer on CUDA (eagle.compile)
         attended = F.scaled_dot_product_attention(
             query, keys[:batch, :, :kv], values[:batch, :, :kv], attn_mask=mask, scale=self.scale,

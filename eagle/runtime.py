@@ -11,6 +11,7 @@ Does not own: the decode loop (``generate.py``) or compile settings (``compile.p
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from eagle.compile import CompileConfig, CompiledFunction
 from eagle.head import EagleHead, LeanHead
@@ -24,9 +25,8 @@ ROPE_TABLE_LIMIT = 1 << 15  # positions tabulated for the rotary embedding (the 
 _STEP_DYNAMIC = {3: 3, 4: 2, 5: 2}
 # the head's forward / expand(features, next_tokens, positions, slots, mask, keys, values[, k]): the same dims
 _HEAD_DYNAMIC = {4: 3, 5: 2, 6: 2}
-# the batched functions (eagle.batch): the batch (dim 0 of every input and of the mask, the cache's rows) too
-_STEP_ROWS_DYNAMIC = {0: 0, 1: 0, 2: 0, 3: (0, 3), 4: (0, 2), 5: (0, 2)}
-_HEAD_ROWS_DYNAMIC = {0: 0, 1: 0, 2: 0, 3: 0, 4: (0, 3), 5: (0, 2), 6: (0, 2)}
+# GEMM rows oneDNN packs the batched path's weights for (``PackedLinear``): a verification of a few rows
+PACK_BATCH_HINT = 16
 
 
 def context_limit(target: Target) -> int:
@@ -51,7 +51,7 @@ class TargetRuntime:
         self.compile = compile
         self.model = LeanModel(target.backbone, target.lm_head, target.config, context_limit(target))
         self._steps: dict[int, CompiledFunction] = {}
-        self._step_rows: dict[int, CompiledFunction] = {}
+        self._rows_model: LeanModel | None = None
 
     def step(self, width: int) -> CompiledFunction:
         """``LeanModel.step`` over ``width`` tokens: (features ``[w, h]``, logits ``[w, V]``, greedy ids ``[w]``)."""
@@ -61,13 +61,20 @@ class TargetRuntime:
             )
         return self._steps[width]
 
-    def step_rows(self, width: int) -> CompiledFunction:
-        """``LeanModel.step_rows`` over a batch of rows ``width`` tokens wide (one graph for every batch size)."""
-        if width not in self._step_rows:
-            self._step_rows[width] = CompiledFunction(
-                (self.model, "step_rows"), f"{self.target.name} step_rows[{width}]", self.compile, self.target.device, _STEP_ROWS_DYNAMIC
-            )
-        return self._step_rows[width]
+    @property
+    def rows_model(self) -> LeanModel:
+        """The model the batched path (``eagle.batch``) runs eagerly: under ``compile="on"`` on CPU in
+        bf16/fp16 a second ``LeanModel`` whose linears are prepacked for oneDNN (``PackedLinear``), else
+        ``self.model``. Why eager: compiled with a dynamic batch dimension, the step ran 3-30x slower
+        than eager and erratically (inductor freezing on this CPU, docs/benchmarks.md section 7), and a
+        graph per batch size costs minutes of compilation each."""
+        if self._rows_model is None:
+            if self.compile.enabled and packable(self.model.lm_head.weight):
+                model = LeanModel(self.target.backbone, self.target.lm_head, self.target.config, context_limit(self.target))
+                self._rows_model = pack_linears(model)
+            else:
+                self._rows_model = self.model
+        return self._rows_model
 
     def new_cache(self, capacity: int, rows: int = 1) -> KVCache:
         return self.model.new_cache(capacity, rows)
@@ -81,7 +88,7 @@ class TargetRuntime:
         return self.model(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:
-        return {f.name: f.compile_s for f in (*self._steps.values(), *self._step_rows.values()) if f.compile_s is not None}
+        return {f.name: f.compile_s for f in self._steps.values() if f.compile_s is not None}
 
 
 class HeadRuntime:
@@ -95,22 +102,19 @@ class HeadRuntime:
         self.label = f"{target.name} head"
         self._expand: dict[int, CompiledFunction] = {}
         self._advance: dict[int, CompiledFunction] = {}
-        self._expand_rows: dict[int, CompiledFunction] = {}
-        self._advance_rows: dict[int, CompiledFunction] = {}
+        self._head = head
+        self._max_positions = context_limit(target)
+        self._rows_lean: LeanHead | None = None
 
-    def expand_rows(self, width: int) -> CompiledFunction:
-        if width not in self._expand_rows:
-            self._expand_rows[width] = CompiledFunction(
-                (self.lean, "expand_rows"), f"{self.label} expand_rows[{width}]", self.compile, self.device, _HEAD_ROWS_DYNAMIC
-            )
-        return self._expand_rows[width]
-
-    def advance_rows(self, width: int) -> CompiledFunction:
-        if width not in self._advance_rows:
-            self._advance_rows[width] = CompiledFunction(
-                (self.lean, "forward"), f"{self.label} advance_rows[{width}]", self.compile, self.device, _HEAD_ROWS_DYNAMIC
-            )
-        return self._advance_rows[width]
+    @property
+    def rows_lean(self) -> LeanHead:
+        """The head the batched path runs eagerly (its layer's linears prepacked as ``TargetRuntime.rows_model``'s)."""
+        if self._rows_lean is None:
+            if self.compile.enabled and packable(self.lean.fc.weight):
+                self._rows_lean = pack_linears(LeanHead(self._head, self._max_positions))
+            else:
+                self._rows_lean = self.lean
+        return self._rows_lean
 
     def expand(self, width: int) -> CompiledFunction:
         if width not in self._expand:
@@ -135,8 +139,45 @@ class HeadRuntime:
         return self.lean(features[None], next_tokens[None], positions[None], positions, mask, cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:
-        functions = (*self._expand.values(), *self._advance.values(), *self._expand_rows.values(), *self._advance_rows.values())
-        return {f.name: f.compile_s for f in functions if f.compile_s is not None}
+        return {f.name: f.compile_s for f in (*self._expand.values(), *self._advance.values()) if f.compile_s is not None}
+
+
+class PackedLinear(nn.Module):
+    """An ``nn.Linear`` whose weight is prepacked once for oneDNN (``torch.ops.mkldnn._reorder_linear_weight``)
+    and applied eagerly (``torch.ops.mkldnn._linear_pointwise``): the weight layout inductor's freezing
+    gives compiled graphs, without compiling. Same results as ``F.linear`` (the same oneDNN kernels);
+    ``weight`` stays the original tensor for whoever reads it (``LeanModel.greedy``'s rescoring)."""
+
+    def __init__(self, linear: nn.Linear, batch_hint: int = PACK_BATCH_HINT) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        with torch.no_grad():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether ``PackedLinear`` applies: a CPU bf16/fp16 weight and a oneDNN build of torch."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+
+
+_PACKED_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "fc")
+
+
+def pack_linears(module: nn.Module) -> nn.Module:
+    """Replace the linears a ``LeanModel`` / ``LeanHead`` (and their ``LeanLayer``s) call by ``PackedLinear``s,
+    in place on this lean instance (the transformers modules it reads stay as they are)."""
+    for owner in (module, *module.modules()):
+        for name in _PACKED_ATTRIBUTES:
+            linear = owner._modules.get(name)
+            if isinstance(linear, nn.Linear):
+                setattr(owner, name, PackedLinear(linear))
+    return module
 
 
 def target_runtime(target: Target, compile: CompileConfig) -> TargetRuntime:

@@ -455,7 +455,7 @@ def rows_mask(prefix: torch.Tensor, sees_prefix: torch.Tensor, local: torch.Tens
 @torch.inference_mode()
 def draft_tree_rows(
     head: "LeanHead",
-    expand_rows,  # callable: the head's (compiled) ``LeanHead.expand_rows`` at ``spec.expand_width`` rows
+    expand_rows,  # callable: the head's ``LeanHead.expand_rows`` (eager) over ``spec.expand_width`` rows per request
     cache: "KVCache",  # the batch's head cache: row b holds request b's ``prefix[b]`` committed positions
     last_hidden: torch.Tensor,  # [B, hidden]
     roots: torch.Tensor,  # [B] long

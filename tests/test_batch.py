@@ -120,12 +120,13 @@ def test_batched_drafting_drafts_each_rows_single_request_tree(spec):
     for prompt in _prompts(3, 11):
         engine.submit(prompt, GenerationConfig(max_new_tokens=50, stop_token_ids=[]))
     engine.step()  # admit all three and take one step, so rows sit at different lengths
-    engine._catch_up()
-    rows = engine.rows
-    batched = engine._draft(rows)
-    for index, (row, tree) in enumerate(zip(rows, batched)):
-        expand = engine.heads.expand(spec.expand_width)
-        single = draft_tree(engine.heads.lean, expand, engine.head_cache.row(index), row.last_hidden, torch.tensor([row.root]), row.committed, spec)
+    with torch.inference_mode():
+        engine._catch_up()
+        rows = engine.rows
+        batched = engine._draft(rows)
+        singles = [draft_tree(engine.heads.lean, engine.heads.expand(spec.expand_width), engine.head_cache.row(index),
+                              row.last_hidden, torch.tensor([row.root]), row.committed, spec) for index, row in enumerate(rows)]
+    for tree, single in zip(batched, singles):
         assert tree.tokens.tolist() == single.tokens.tolist()
         assert tree.parents.tolist() == single.parents.tolist()
         torch.testing.assert_close(tree.scores, single.scores, atol=1e-5, rtol=1e-5)  # fp32 GEMMs of another shape
@@ -233,3 +234,41 @@ def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
 def test_step_seed_depends_on_seed_and_position_only():
     assert step_seed(1, 10) == step_seed(1, 10)
     assert len({step_seed(s, p) for s in range(30) for p in range(30)}) == 900
+
+
+def test_packed_linears_compute_what_the_linears_do():
+    """The batched path's prepacked oneDNN linears (bf16) equal F.linear, and packing covers every linear
+    the lean model calls."""
+    from eagle.runtime import PackedLinear, pack_linears, packable
+    from eagle.model import LeanModel
+
+    linear = torch.nn.Linear(48, 80, bias=True).to(torch.bfloat16)
+    if not packable(linear.weight):
+        pytest.skip("torch without oneDNN")
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    target = tiny_target("qwen2", vocab_size=64, hidden_size=32, layers=2, dtype=torch.bfloat16)
+    lean = pack_linears(LeanModel(target.backbone, target.lm_head, target.config, 256))
+    assert not [name for name, m in lean.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(isinstance(m, PackedLinear) for m in lean.modules()) == 2 * 7 + 1
+
+
+@pytest.mark.slow
+def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
+    """Under compile="on" a batch of one runs the compiled single-request graphs and larger batches the eager
+    batched path; requests move between the two as others join and leave: outputs still equal plain decoding."""
+    from eagle.compile import CompileConfig
+
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target), TREES["dynamic"], compile=CompileConfig(mode="on", autotune=False))
+    engine = BatchDecoder(decoder, max_batch=3, max_context=128, speculate="always")
+    engine.warmup(repeats=1)
+    prompts = _prompts(4, 41)
+    jobs = [(0, prompts[0], GenerationConfig(max_new_tokens=40, stop_token_ids=[])),
+            *[(5 + 2 * i, p, GenerationConfig(max_new_tokens=8, stop_token_ids=[])) for i, p in enumerate(prompts[1:])]]
+    requests = _run_mixed(engine, jobs)
+    for (_, prompt, config), request in zip(jobs, requests):
+        assert request.token_ids == _plain(target, prompt, config)
+    assert {step.batch for step in requests[0].steps} >= {1, 2}
