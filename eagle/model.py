@@ -76,10 +76,13 @@ class KVCache:
         view.values = [buffer[index : index + 1] for buffer in self.values]
         return view
 
-    def move_row(self, source: int, target: int) -> None:
-        """Copy row ``source`` over row ``target`` (a batch keeps its live rows first)."""
+    def compact(self, keep: int, source: torch.Tensor) -> None:
+        """Move the slots ``source`` (ascending, all >= ``keep``) to ``keep, keep + 1, ...`` in every layer:
+        after verification the accepted path follows the committed prefix without recomputation (EAGLE-2's
+        KV update, arXiv 2406.16858). The gather reads before it writes, so overlapping ranges are safe."""
+        end = keep + source.numel()
         for buffer in (*self.keys, *self.values):
-            buffer[target] = buffer[source]
+            buffer[:, :, keep:end] = buffer.index_select(2, source)
 
     def compact_rows(self, rows: torch.Tensor, keep: torch.Tensor, source: torch.Tensor, counts: torch.Tensor) -> None:
         """``compact`` for several rows at once: in row ``rows[i]``, the ``counts[i]`` slots ``source[i]``
