@@ -76,6 +76,13 @@ bench-fast: install
 # The default pairs (serve/config.yaml: the registered head @production + the target alone) on
 # http://127.0.0.1:8000, OpenAI-compatible, in the foreground; starts the local stack if it is down and stops
 # it again on Ctrl-C. Needs a registered head: `make quickstart` first.
+# The serving table of docs/benchmarks.md section 7 in one run: our two pairs behind Ray Serve, then vLLM's
+# CPU build (its OpenAI server, installed into .venv-vllm on first use) with the same client and prompts:
+# `make bench-serve HEAD=<head dir or models:/...>` (about an hour; a benchmark, not a test).
+.PHONY: bench-serve
+bench-serve: install
+	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --out docs/bench/serve
+
 .PHONY: serve loadtest
 serve: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/serve.sh
@@ -83,7 +90,7 @@ serve: install
 # The load table of docs/benchmarks.md against a running `make serve` (concurrency 1, 4, 8 over 12 MT-bench
 # prompts, the EAGLE pair and the target alone).
 loadtest: install
-	$(PY) -m serve.loadtest --models smollm2-135m-eagle smollm2-135m --concurrency 1 4 8 --prompts 12 \
+	$(PY) -m serve.loadtest --models smollm2-135m-eagle smollm2-135m --concurrency 1 4 8 16 --prompts 16 \
 		--max-tokens 96 --out docs/bench/loadtest.json --png docs/bench/loadtest.png
 
 # The local stack (Ray head + MLflow server on 127.0.0.1; settings in infra/local/stack.sh). `stack-up` prints

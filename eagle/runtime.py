@@ -153,7 +153,7 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         with torch.no_grad():
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -171,7 +171,8 @@ _PACKED_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 def pack_linears(module: nn.Module) -> nn.Module:
     """Replace the linears a ``LeanModel`` / ``LeanHead`` (and their ``LeanLayer``s) call by ``PackedLinear``s,
-    in place on this lean instance (the transformers modules it reads stay as they are)."""
+    in place on this lean instance (the transformers modules it reads stay as they are). Fusing q|k|v and
+    gate|up into one packed GEMM each was measured and dropped: 40 vs 33 ms a batch-2 step of SmolLM2."""
     for owner in (module, *module.modules()):
         for name in _PACKED_ATTRIBUTES:
             linear = owner._modules.get(name)

@@ -253,6 +253,14 @@ def test_packed_linears_compute_what_the_linears_do():
     lean = pack_linears(LeanModel(target.backbone, target.lm_head, target.config, 256))
     assert not [name for name, m in lean.named_modules() if isinstance(m, torch.nn.Linear)]
     assert sum(isinstance(m, PackedLinear) for m in lean.modules()) == 2 * 7 + 1
+    plain = LeanModel(target.backbone, target.lm_head, target.config, 256)
+    ids = torch.tensor([[3, 9, 27, 5]])
+    positions = torch.arange(4)[None]
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    with torch.inference_mode():
+        outputs = [model(ids, positions, positions[0], mask, cache.keys, cache.values)
+                   for model, cache in ((plain, plain.new_cache(64)), (lean, lean.new_cache(64)))]
+    assert torch.equal(outputs[0], outputs[1])  # the same oneDNN kernels on prepacked weights
 
 
 @pytest.mark.slow

@@ -6,6 +6,9 @@
 #   infra/bench/peers.sh install      create both (idempotent)
 #   infra/bench/peers.sh vllm ARGS    run infra/bench/vllm_bench.py in .venv-vllm
 #   infra/bench/peers.sh llamacpp ARGS  run infra/bench/llamacpp_bench.py in .venv-llamacpp
+#   infra/bench/peers.sh vllm-serve MODEL_DIR PORT [MAX_SEQS]
+#                                     vLLM's OpenAI server on 127.0.0.1:PORT, model id smollm2-135m-vllm
+#                                     (infra/bench/serve_load.py runs our load client against it)
 #
 # Versions are pinned here, on purpose: a benchmark reference that drifts is not a reference. Install steps
 # and run settings follow ../shared/STACK.md (vLLM 0.32 on CPU: torch 2.13.0's local wheel, no torchvision).
@@ -62,6 +65,10 @@ vllm_env() {
 case "${1:-}" in
     install) install_vllm; install_llamacpp ;;
     vllm) shift; install_vllm; vllm_env; exec "$VLLM_VENV/bin/python" "$REPO_ROOT/infra/bench/vllm_bench.py" "$@" ;;
+    vllm-serve)
+        shift; install_vllm; vllm_env
+        exec "$VLLM_VENV/bin/vllm" serve "${1:?model dir}" --host 127.0.0.1 --port "${2:?port}" --dtype bfloat16 \
+            --max-model-len 2048 --max-num-seqs "${3:-16}" --served-model-name smollm2-135m-vllm --seed 0 ;;
     llamacpp) shift; install_llamacpp; exec "$LLAMACPP_VENV/bin/python" "$REPO_ROOT/infra/bench/llamacpp_bench.py" "$@" ;;
-    *) echo "usage: $0 install | vllm ARGS | llamacpp ARGS" >&2; exit 2 ;;
+    *) echo "usage: $0 install | vllm ARGS | vllm-serve MODEL_DIR PORT [MAX_SEQS] | llamacpp ARGS" >&2; exit 2 ;;
 esac

@@ -1,0 +1,157 @@
+"""The serving load table of docs/benchmarks.md section 7: our EAGLE pair and target-alone pair behind Ray
+Serve, and vLLM's CPU build (its OpenAI server, in its own virtualenv) as the reference, measured one after
+another in one run with the same client (``serve.loadtest``), prompts and settings.
+
+    .venv/bin/python infra/bench/serve_load.py --head HEAD [--concurrency 1 4 8 16] [--out docs/bench/serve]
+
+1. a private local Ray instance; ``serve.app.build_app`` with two pairs (one replica each, bf16,
+   compiled, ``max_batch_size`` 16): ``smollm2-135m-eagle`` (target + HEAD) and ``smollm2-135m``;
+2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level;
+3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
+   the same levels against it; the server stopped;
+4. OUT/load.json (every request) and OUT/load.md (the table).
+
+A benchmark, not a test (about an hour on 2 cores). Both sides get all cores while they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from serve.loadtest import run_level, table  # noqa: E402
+
+logger = logging.getLogger("serve_load")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(base: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            if httpx.get(base + "/v1/models", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise RuntimeError(f"{base} did not answer within {timeout_s:.0f} s")
+
+
+def levels_for(base: str, models: list[str], prompts: list[str], concurrency: list[int], max_tokens: int) -> list[dict]:
+    levels = []
+    for c in concurrency:
+        for model in models:
+            # one warm-up request per model and level keeps a cold first request out of the figures
+            asyncio.run(run_level(base, model, prompts[:1], 1, 8, 600))
+            level = asyncio.run(run_level(base, model, prompts, c, max_tokens, 1200))
+            logger.info("%s c=%d: %.1f tok/s, p50 %.2f s, %d errors", model, c, level["tokens_per_s"] or 0, level["latency_p50_s"] or 0, level["errors"])
+            levels.append(level)
+    return levels
+
+
+def ours(args, prompts: list[str]) -> list[dict]:
+    import ray
+    from ray import serve
+
+    from jobs.common import init_ray
+    from serve.app import build_app
+    port = free_port()
+    common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threads": os.cpu_count(), "num_cpus": 0.5,
+              "max_batch_size": args.max_batch, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
+              "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
+    pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
+             {"model": "smollm2-135m", "head": None, **common}]
+    init_ray(num_cpus=os.cpu_count())
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    started = time.perf_counter()
+    serve.run(build_app({"pairs": pairs}), name="bench", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(base, 3600)
+    while True:  # /v1/models answers before every replica is up: wait until both report their info
+        models = httpx.get(base + "/v1/models", timeout=30).json()["data"]
+        if all("error" not in m["eagle"] for m in models):
+            break
+        time.sleep(5)
+    logger.info("our pairs up in %.0f s", time.perf_counter() - started)
+    try:
+        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def vllm(args, prompts: list[str]) -> list[dict]:
+    from eagle.target import materialize_builtin
+
+    model_dir = materialize_builtin("smollm2-135m")[0]
+    port = free_port()
+    log = open(Path(args.out) / "vllm-serve.log", "w")
+    process = subprocess.Popen([str(REPO / "infra/bench/peers.sh"), "vllm-serve", str(model_dir), str(port), str(args.max_batch)],
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, 1800, process)
+        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens)
+    finally:
+        os.killpg(process.pid, 15)
+        process.wait(60)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head", required=True, help="a head directory (or models:/<target>-eagle@<alias> with MLFLOW_TRACKING_URI set)")
+    parser.add_argument("--tree", default="dynamic")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--out", default="docs/bench/serve")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    from eagle.bench import load_prompts
+
+    prompts = [p.text for p in load_prompts(None, args.prompts) if p.text]
+    levels = ours(args, prompts)
+    if not args.skip_vllm:
+        levels += vllm(args, prompts)
+    result = {
+        "command": "infra/bench/serve_load.py " + " ".join(sys.argv[1:]),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+                    "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
+        "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
+                     "max_batch_size": args.max_batch, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
+        "levels": levels,
+    }
+    (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
+    (Path(args.out) / "load.md").write_text(table(levels) + "\n")
+    sys.stdout.write(table(levels) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
