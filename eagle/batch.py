@@ -55,7 +55,7 @@ from typing import Sequence
 import torch
 
 from eagle.errors import ContextLengthError, EagleError
-from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, _TextDelta, _truncate
+from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, TextDelta, _truncate
 from eagle.model import KVCache
 from eagle.runtime import step_inputs
 from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
@@ -112,7 +112,7 @@ class _Row:
     committed: int  # target cache positions that are final
     root: int
     context: list[int]  # prompt + every token chosen (the root included)
-    text: _TextDelta
+    text: TextDelta
     head_committed: int = 0  # head cache positions that are final
     last_hidden: torch.Tensor | None = None  # head output at the last committed head position
     pending_features: list[torch.Tensor] = field(default_factory=list)  # target features the head has not consumed
@@ -420,7 +420,7 @@ class BatchDecoder:
                 root = int(self.runtime.model.greedy(last, logits)[0])
             else:
                 root = sample_token(processed_probs(logits[0].float(), sampling), generator)
-        row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], _TextDelta(self.target))
+        row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
         if self.heads is not None:
             next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])
             row.last_hidden = self.heads.prefill(features, next_tokens, self.head_cache.row(index))[-1]
@@ -429,10 +429,10 @@ class BatchDecoder:
         request.token_ids.extend(resumed or [root])
         output = None
         if resumed:
-            # the text of the resumed tokens was sent before: later deltas continue after it, decoded with a
-            # few tokens of context (a leading space's merge depends on the token before)
-            row.text.ids.extend(resumed)
-            row.text.prefix, row.text.read = max(0, len(resumed) - 4), len(resumed)
+            # the text of the resumed tokens was sent before: prime the detokeniser with them (their text is
+            # dropped), so later deltas are what the uninterrupted run would have sent (a character split
+            # across the seam, a merge with the token before)
+            row.text.push(resumed)
         else:
             output = StepOutput([root], row.text.push([root]), None)
         if root in row.stop_ids or len(request.token_ids) >= request.config.max_new_tokens:

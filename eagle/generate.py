@@ -309,7 +309,7 @@ class Decoder:
         if generator is None and config.seed is not None:
             generator = torch.Generator(device=self.target.device).manual_seed(config.seed)
         stop_ids = self._stop_ids(config)
-        text = _TextDelta(self.target)
+        text = TextDelta(self.target)
 
         state = self._prefill(prompt_ids, config.sampling, generator, self._capacity(len(prompt_ids) + config.max_new_tokens))
         emitted = [state.root]
@@ -401,7 +401,7 @@ def _truncate(tokens: list[int], budget: int, stop_ids: set[int]) -> list[int]:
     return out
 
 
-class _TextDelta:
+class TextDelta:
     """Incremental detokenisation (as vLLM's ``detokenize_incrementally``): each push decodes only a short
     window — the tokens since the last emitted boundary plus the new ones — instead of the whole output, and
     holds text back while it ends in an incomplete character (U+FFFD). Decoding from the previous boundary

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from eagle.batch import BatchDecoder, BatchRequest
 from eagle.errors import ContextLengthError, EagleError
-from eagle.generate import Decoder, GenerationConfig, StepOutput
+from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
 from eagle.target import Target
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
@@ -236,42 +236,20 @@ class StopStrings:
         return out
 
 
-class ContinuedText:
-    """Incremental detokenisation of a resumed request's new tokens, primed with the tokens already delivered,
-    so the text across the seam (a character split between two tokens, a merge with the previous token) is
-    what uninterrupted decoding would have produced. Same rule as the engine's ``eagle.generate._TextDelta``:
-    decode the window since the last released boundary, hold text back while it ends in U+FFFD."""
-
-    def __init__(self, target: Target, delivered_ids: list[int]) -> None:
-        self.target = target
-        self.ids: list[int] = []
-        self.prefix = 0  # window start: text of ids[prefix:read] has been released
-        self.read = 0
-        self.primed = self.push(delivered_ids)  # the delivered tokens' text (what has been released of it)
-
-    def push(self, ids: list[int]) -> str:
-        self.ids.extend(ids)
-        before = self.target.decode(self.ids[self.prefix : self.read])
-        text = self.target.decode(self.ids[self.prefix :])
-        if text.endswith("\ufffd") or len(text) <= len(before):
-            return ""
-        self.prefix, self.read = self.read, len(self.ids)
-        return text[len(before) :]
-
-
 @dataclass
 class _Resume:
     """How a request continues after what was already delivered (``Request.resume_token_ids``/``resume_text``).
 
-    ``config`` is None when nothing is left to decode (``finish`` says why); ``text`` is None for a fresh
-    request (the engine's own text deltas are used); ``released``: text the client lacks that is safe to send now.
+    ``config`` is None when nothing is left to decode (``finish`` says why); ``released``: text of the
+    delivered tokens the client lacks (held back before) that is safe to send now. The engine primes its
+    detokeniser with the delivered tokens (``BatchDecoder.submit(generated=...)``), so its text deltas
+    continue right after theirs.
     """
 
     token_ids: list[int]
     config: GenerationConfig | None
     finish: str | None
     stops: StopStrings
-    text: ContinuedText | None = None
     released: str = ""
 
 
@@ -530,9 +508,9 @@ class PairServer:
             raise RequestError(str(err)) from None
 
     def _resume(self, request: Request, config: GenerationConfig, stop_ids: set[int]) -> _Resume:
-        """Validate ``resume_token_ids``/``resume_text`` and prime the detokeniser and stop strings with them:
-        decoding continues from prompt + delivered tokens with ``max_new_tokens`` reduced by their count, and
-        the text sent next starts right after ``resume_text``."""
+        """Validate ``resume_token_ids``/``resume_text`` and prime the stop strings with them: the engine
+        continues after the delivered tokens (which count against ``max_new_tokens``), and the text sent
+        next starts right after ``resume_text``."""
         ids, delivered = list(request.resume_token_ids), request.resume_text
         if not ids and not delivered:
             return _Resume([], config, None, StopStrings(request.stop))
@@ -543,14 +521,14 @@ class PairServer:
             raise RequestError("resume_text must be the text of resume_token_ids", param="resume_text")
         if len(ids) > config.max_new_tokens:
             raise RequestError(f"resume_token_ids: {len(ids)} tokens, more than max_tokens ({config.max_new_tokens})", param="resume_token_ids")
-        text = ContinuedText(self.target, ids)
-        if not (text.primed.startswith(delivered) or delivered.startswith(text.primed)):
+        primed = TextDelta(self.target).push(ids)  # the delivered tokens' text, as the engine will have it
+        if not (primed.startswith(delivered) or delivered.startswith(primed)):
             raise RequestError("resume_text is not the text of resume_token_ids", param="resume_text")
         stops = StopStrings(request.stop, sent=len(delivered))
-        released, hit = stops.push(text.primed)  # the delivered text itself is never sent again
+        released, hit = stops.push(primed)  # the delivered text itself is never sent again
         left = config.max_new_tokens - len(ids)
         finish = "stop" if hit or ids[-1] in stop_ids else ("length" if left == 0 else None)
-        return _Resume(ids, config if finish is None else None, finish, stops, text, released)
+        return _Resume(ids, config if finish is None else None, finish, stops, released)
 
     def _submit(self, loaded: _Loaded, prompt_ids: list[int], resume: _Resume, request: Request) -> tuple[BatchRequest, asyncio.Queue]:
         """Queue the request on the engine (its checks raise here, as 4xx) and register where its outputs go."""
@@ -598,23 +576,24 @@ class PairServer:
             if resume.released:
                 yield {"type": "delta", "text": resume.released, "token_ids": []}
             while queue is not None:
-                item = await queue.get()
-                if not isinstance(item, StepOutput):
-                    if item is not None:
-                        raise item
+                output, end = _coalesce([await queue.get(), *_drain(queue)])
+                if output is not None:
+                    if first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    tokens += len(output.token_ids)
+                    text, hit = stops.push(output.text)
+                    if text or output.token_ids:
+                        yield {"type": "delta", "text": text, "token_ids": output.token_ids}
+                    if hit:
+                        finish = "stop"
+                        break
+                if end is not _OPEN:
+                    if end is not None:
+                        raise end
                     finish = queued.finish_reason if queued.finish_reason in ("stop", "length") else finish
                     tail = stops.flush()
                     if tail:
                         yield {"type": "delta", "text": tail, "token_ids": []}
-                    break
-                if first_token_s is None:
-                    first_token_s = time.perf_counter() - started
-                tokens += len(item.token_ids)
-                text, hit = stops.push(resume.text.push(item.token_ids) if resume.text else item.text)
-                if text or item.token_ids:
-                    yield {"type": "delta", "text": text, "token_ids": list(item.token_ids)}
-                if hit:
-                    finish = "stop"
                     break
         except Exception:
             self._metrics.failed("error")
@@ -666,6 +645,29 @@ class PairServer:
                 result.update(finish_reason=event["finish_reason"], usage=event["usage"], eagle=event["eagle"])
         result["text"] = "".join(parts)
         return result
+
+
+_OPEN = object()  # ``_coalesce``: the request has not ended
+
+
+def _drain(queue: asyncio.Queue) -> list[Any]:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def _coalesce(items: list[Any]) -> tuple[StepOutput | None, Any]:
+    """The step outputs waiting in a request's queue as one output (a client that reads slower than the
+    batch steps gets fewer, larger chunks instead of a backlog: every chunk costs Serve's streaming path
+    CPU on the machine that decodes), and the end marker if one arrived (None: finished; an exception:
+    failed; ``_OPEN``: still running)."""
+    outputs = [item for item in items if isinstance(item, StepOutput)]
+    end = next((item for item in items if not isinstance(item, StepOutput)), _OPEN)
+    if not outputs:
+        return None, end
+    merged = StepOutput([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs), outputs[-1].stats)
+    return merged, end
 
 
 def _put_all(queue: asyncio.Queue, items: list[Any]) -> None:

@@ -11,7 +11,7 @@ import torch
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
 import eagle.autotree
 from eagle.autotree import _accepted, choose_tree
-from eagle.generate import _TextDelta
+from eagle.generate import TextDelta
 from eagle.model import LeanModel
 from eagle.ngram import add_branch, lookup
 from eagle.tree import AutoTree, DraftTree, HybridTree
@@ -37,7 +37,7 @@ def test_text_deltas_concatenate_to_the_decoded_text_and_decode_short_windows(sm
 
     rng = random.Random(0)
     for _ in range(5):
-        delta, parts, position = _TextDelta(Spy()), [], 0
+        delta, parts, position = TextDelta(Spy()), [], 0
         while position < len(ids):
             size = rng.randint(1, 6)  # a step emits 1..6 tokens
             parts.append(delta.push(ids[position : position + size]))

