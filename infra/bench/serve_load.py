@@ -141,7 +141,7 @@ def main() -> int:
     levels = []
     if not args.skip_ours:
         levels += ours(args, prompts)
-        (Path(args.out) / "load-ours.json").write_text(json.dumps(levels, indent=2))  # kept if the vLLM side fails
+        (Path(args.out) / "load-ours.json").write_text(json.dumps(levels, indent=2))  # for --skip-ours if the vLLM side fails
     elif (Path(args.out) / "load-ours.json").exists():
         levels += json.loads((Path(args.out) / "load-ours.json").read_text())
     if not args.skip_vllm:
