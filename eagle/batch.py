@@ -56,7 +56,6 @@ import torch
 
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, TextDelta, _truncate
-from eagle.model import KVCache
 from eagle.runtime import step_inputs
 from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
 from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
@@ -93,7 +92,6 @@ class BatchRequest:
     done: bool = False
     finish_reason: str | None = None
     error: BaseException | None = None
-    submitted_at: float = field(default_factory=time.perf_counter)
     resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
 
     @property
@@ -366,7 +364,7 @@ class BatchDecoder:
                 continue
             if output is not None:
                 events.append((request, output))
-                self._emit(request, output)
+                request.outputs.append(output)
         self._retire()
         if not self.rows:
             return events
@@ -447,13 +445,11 @@ class BatchDecoder:
         speculative = decision != "plain"
         for row in rows:
             self._reseed(row)
-        plain = [root_only(torch.tensor([row.root], device=self.target.device)) for row in rows]
         if speculative:
             self._catch_up()
-            drafted_trees = self._draft(rows)
-            trees = [p if _seeded_sampling(row.request) else t for row, t, p in zip(rows, drafted_trees, plain)]
+            trees = [self._root_only(row) if _seeded_sampling(row.request) else tree for row, tree in zip(rows, self._draft(rows))]
         else:
-            trees = plain
+            trees = [self._root_only(row) for row in rows]
         drafted = time.perf_counter()
         results = self._verify(trees)
         verified = time.perf_counter()
@@ -477,7 +473,7 @@ class BatchDecoder:
             request.steps.append(stats)
             output = StepOutput(out, row.text.push(out), stats)
             events.append((request, output))
-            self._emit(request, output)
+            request.outputs.append(output)
             if out and out[-1] in row.stop_ids:
                 self._finish(row, "stop")
             elif len(out) < len(new_tokens) or len(request.token_ids) >= config.max_new_tokens:
@@ -539,6 +535,9 @@ class BatchDecoder:
             row.pending_features.clear()
             row.pending_tokens.clear()
 
+    def _root_only(self, row: _Row) -> DraftTree:
+        return root_only(torch.tensor([row.root], device=self.target.device))
+
     def _draft(self, rows: list[_Row]) -> list[DraftTree]:
         device = self.target.device
         roots = torch.tensor([row.root for row in rows], device=device)
@@ -568,9 +567,7 @@ class BatchDecoder:
         rows = self.rows
         batch = len(rows)
         sizes = [len(tree) for tree in trees]
-        width = self._verify_width(max(sizes) > 1)
-        if max(sizes) > width:
-            width = min(w for w in self.decoder._widths()["verify"] if w >= max(sizes))
+        width = self._verify_width(max(sizes) > 1)  # a tree (hybrid branch included) fits the tree's width
         ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         depths = torch.zeros(batch, width, dtype=torch.long, device=device)
         ancestry = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
@@ -617,9 +614,6 @@ class BatchDecoder:
             torch.tensor([b for b, _, _ in moves], device=device), torch.tensor([k for _, k, _ in moves], device=device),
             source, torch.tensor([len(s) for _, _, s in moves], device=device),
         )
-
-    def _emit(self, request: BatchRequest, output: StepOutput) -> None:
-        request.outputs.append(output)
 
     def _finish(self, row: _Row, reason: str) -> None:
         row.request.finish_reason = reason

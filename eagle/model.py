@@ -62,7 +62,6 @@ class KVCache:
 
     def __init__(self, layers: int, shape: AttentionShape, capacity: int, dtype: torch.dtype, device, rows: int = 1) -> None:
         self.capacity = capacity
-        self.rows = rows
         size = (rows, shape.kv_heads, capacity, shape.head_dim)
         with torch.inference_mode():  # inference tensors whoever allocates: the compiled graphs guard on it
             self.keys = [torch.zeros(size, dtype=dtype, device=device) for _ in range(layers)]
@@ -71,7 +70,7 @@ class KVCache:
     def row(self, index: int) -> "KVCache":
         """Row ``index`` as a one-row cache sharing this cache's memory (views, written in place)."""
         view = KVCache.__new__(KVCache)
-        view.capacity, view.rows = self.capacity, 1
+        view.capacity = self.capacity
         view.keys = [buffer[index : index + 1] for buffer in self.keys]
         view.values = [buffer[index : index + 1] for buffer in self.values]
         return view

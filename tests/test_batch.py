@@ -26,15 +26,11 @@ from eagle.batch import BatchDecoder, SpeculationPolicy, step_seed
 from eagle.errors import EagleError
 from eagle.tree import HybridTree, draft_tree
 from eagle.verify import SamplingConfig
-from heads import good_head, single_thread
+from heads import good_head
 from tiny import tiny_target
-from test_lossless_sampling import PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _target, assert_matches, joint_for
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    with single_thread():
-        yield
+from test_lossless_sampling import (  # noqa: F401 - _one_thread: that module's autouse one-thread fixture, used here too
+    PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for,
+)
 
 
 @functools.cache
