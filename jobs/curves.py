@@ -16,15 +16,14 @@ from pathlib import Path
 from typing import Sequence
 
 from eagle.errors import EagleError
+from eagle_platform.registry import Runs
 from jobs.common import JobParser, run_job
 
 KEYS = ("loss", "feature_loss", "token_loss", "acc_1", "eval_sim_tau", "train_tokens_per_s", "lr") + tuple(f"eval_acc_{d}" for d in range(1, 9))
 
 
-def history(run_id: str) -> dict[str, list[tuple[int, float]]]:
-    from eagle_platform import registry
-
-    client = registry.client()
+def history(runs: Runs, run_id: str) -> dict[str, list[tuple[int, float]]]:
+    client = runs.client
     curves: dict[str, list[tuple[int, float]]] = {}
     for key in KEYS:
         points = client.get_metric_history(run_id, key)
@@ -70,12 +69,11 @@ def plot(curves: dict[str, list[tuple[int, float]]], out: Path, title: str) -> N
 
 
 def _main(args: argparse.Namespace) -> int:
-    from eagle_platform import registry
-
-    run_id = args.run_id or registry.find_run("eagle-heads", args.run_name)
+    runs = Runs()
+    run_id = args.run_id or runs.find_run("eagle-heads", args.run_name)
     if not run_id:
         raise EagleError(f"no run named {args.run_name!r} in experiment eagle-heads")
-    curves = history(run_id)
+    curves = history(runs, run_id)
     if not curves:
         raise EagleError(f"run {run_id} has no training metrics")
     out = Path(args.out)

@@ -72,16 +72,17 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from eagle.cli import resolve_head_spec
     from eagle.head import check_revision
     from eagle.target import resolve_target
-    from eagle_platform import registry
+    from eagle_platform.registry import Registry, head_uri, parse_models_uri
 
+    reg = Registry()
     preset = get_preset(args.preset)
     target_spec = args.target or preset.target
     _, target_name, revision = resolve_target(target_spec)  # once: a built-in target's revision hashes its GGUF
-    head_spec = args.head or registry.head_uri(target_name, "candidate")
+    head_spec = args.head or head_uri(target_name, "candidate")
     version_info = None
     if head_spec.startswith("models:/"):
-        model_name, alias, version = registry.parse_models_uri(head_spec)
-        version_info = registry.head_version_info(model_name, alias, version=version)
+        model_name, alias, version = parse_models_uri(head_spec)
+        version_info = reg.head_version_info(model_name, alias, version=version)
         check_revision(head_spec, version_info["tags"].get("target_revision"), (target_name, revision))  # before the download
     elif args.promote_tau is not None:
         raise EagleError("--promote-tau needs a registered head (--head models:/<target>-eagle@<alias>)")
@@ -120,13 +121,13 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 
     paths = write_report(report, out)
     if run_id:
-        registry.log_metrics(run_id, {k: v for k, v in metrics.items() if v is not None})
+        reg.runs.log_metrics(run_id, {k: v for k, v in metrics.items() if v is not None})
         for path in paths.values():
-            registry.log_artifact(run_id, str(path), f"{prefix}-{settings['tree']}")
+            reg.runs.log_artifact(run_id, str(path), f"{prefix}-{settings['tree']}")
     if args.promote_tau is not None and version_info is not None:
         tau = aggregate["tau_mean"] or 0.0
         if tau >= args.promote_tau:
-            registry.promote(target_name, version_info["version"], "production")
+            reg.promote(target_name, version_info["version"], "production")
             promoted = True
         logger.info("tau %.3f %s the promotion threshold %.2f", tau, ">=" if promoted else "<", args.promote_tau)
     summary = {"head": head_spec, "version": (version_info or {}).get("version"), "run_id": run_id, "promoted": promoted, "report": str(out), **metrics}

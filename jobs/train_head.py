@@ -257,15 +257,17 @@ class _Tracker:
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.run_id = config.get("run_id")
-        self.uri = config.get("tracking_uri")
+        self.runs = None
+        if self.run_id:
+            from eagle_platform.registry import Runs
+
+            self.runs = Runs(config.get("tracking_uri"))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if not self.run_id:
+        if self.runs is None:
             return
-        from eagle_platform import registry
-
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-        registry.log_metrics(self.run_id, clean, step=step, uri=self.uri)
+        self.runs.log_metrics(self.run_id, clean, step=step)
 
 
 # ---- the driver -------------------------------------------------------------------------------------------
@@ -310,29 +312,29 @@ def train(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from eagle_platform import registry
+    from eagle_platform.registry import Registry
 
     target_spec = target_spec or preset.target
     storage, name, revision, manifests = _validate(preset, storage_uri, target_spec)
     run_name = run_name or f"{name}-{preset.dataset}-{preset.name}"
-    tracking_uri = tracking_uri or registry.tracking_uri()
-    registry.client(tracking_uri)  # fails in one line when no server answers
+    reg = Registry(tracking_uri)  # default: $MLFLOW_TRACKING_URI or the local stack
+    runs = reg.runs
+    runs.check_server()  # fails in one line when no server answers
     ds_config = deepspeed_config(preset.train)
-    run_id = registry.start_run(
+    run_id = runs.start_run(
         EXPERIMENT, run_name, tags={"target": name, "target_revision": revision, "preset": preset.name, "job": "train_head"},
         resume=True,  # the same run name continues the same MLflow run, finished or not (as Ray Train resumes)
         resume_statuses=("RUNNING", "FAILED", "KILLED", "FINISHED"),
-        uri=tracking_uri,
     )
     try:
         params = _flatten({"preset": preset.name, "target": target_spec, "dataset": preset.dataset, "train": asdict(preset.train)})
-        if registry.run_info(run_id, uri=tracking_uri)["params"]:  # a resumed run keeps its first params
-            registry.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]}, uri=tracking_uri)
+        if runs.run_info(run_id)["params"]:  # a resumed run keeps its first params
+            runs.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]})
         else:
-            registry.log_params(run_id, params, uri=tracking_uri)
-        registry.log_dict(run_id, ds_config, "deepspeed_config.json", uri=tracking_uri)
+            runs.log_params(run_id, params)
+        runs.log_dict(run_id, ds_config, "deepspeed_config.json")
         for stage, manifest in manifests.items():
-            registry.log_dict(run_id, manifest, f"manifests/{stage}.json", uri=tracking_uri)
+            runs.log_dict(run_id, manifest, f"manifests/{stage}.json")
 
         init_ray()
         cpus = int(ray.available_resources().get("CPU", 1)) if not preset.train.use_gpu else None
@@ -343,7 +345,7 @@ def train(
             "dataset_uri": storage.url(),
             "deepspeed": ds_config,
             "run_id": run_id,
-            "tracking_uri": tracking_uri,
+            "tracking_uri": runs.uri,
             "threads_per_worker": max(1, cpus // workers) if cpus else None,
         }
         trainer = TorchTrainer(
@@ -370,14 +372,14 @@ def train(
             import shutil
 
             shutil.copytree(head_dir, local_head)
-        registry.log_artifact(run_id, str(local_head), HEAD_DIR, uri=tracking_uri)
+        runs.log_artifact(run_id, str(local_head), HEAD_DIR)
         version = None
         if register:
-            target_version = registry.register_target(name, revision, {"name": name, "spec": target_spec, "revision": revision}, run_id, uri=tracking_uri)
-            version = registry.register_head(run_id, HEAD_DIR, name, revision, alias=alias, target_model_version=target_version, uri=tracking_uri)
-        registry.finish_run(run_id, "FINISHED", uri=tracking_uri)
+            target_version = reg.register_target(name, revision, {"name": name, "spec": target_spec, "revision": revision}, run_id)
+            version = reg.register_head(run_id, HEAD_DIR, name, revision, alias=alias, target_model_version=target_version)
+        runs.finish_run(run_id, "FINISHED")
     except BaseException:
-        registry.finish_run(run_id, "FAILED", uri=tracking_uri)
+        runs.finish_run(run_id, "FAILED")
         raise
     logger.info("run %s finished: head %s registered as %s-eagle version %s", run_name, local_head, name, version)
     return {"run_id": run_id, "run_name": run_name, "head_dir": str(local_head), "version": version, "metrics": dict(result.metrics or {})}

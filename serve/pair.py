@@ -20,6 +20,7 @@ get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -253,26 +254,6 @@ class _Resume:
     released: str = ""
 
 
-def _registry_version(spec: str) -> tuple[str, str]:
-    """(registered model name, version) that a ``models:/<name>@<alias>`` or ``/<version>`` spec points at now."""
-    from eagle_platform import registry
-
-    name, alias, version = registry.parse_models_uri(spec)
-    return name, str(registry.head_version_info(name, alias, version=version)["version"])
-
-
-def _resolve_head_dir(spec: str) -> tuple[str, str | None]:
-    """A head spec as (local directory, registry version or None)."""
-    if spec.startswith("models:/"):
-        from eagle_platform import registry
-
-        name, version = _registry_version(spec)
-        return registry.resolve_head(f"models:/{name}/{version}"), version
-    from eagle.cli import resolve_head_spec
-
-    return resolve_head_spec(spec), None
-
-
 class PairServer:
     """Serve one (target, head) pair; see the module docstring for concurrency and hot swap."""
 
@@ -316,9 +297,33 @@ class PairServer:
 
         if head_spec is None:
             return _Loaded(*self._ready(None), None, None, time.time())
-        head_dir, version = _resolve_head_dir(head_spec)
+        head_dir, version = self._resolve_head_dir(head_spec)
         head = EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
         return _Loaded(*self._ready(head), head_dir, version, time.time())
+
+    @functools.cached_property
+    def _registry(self):
+        """The ``eagle_platform.registry.Registry`` (at ``$MLFLOW_TRACKING_URI``) that ``models:/`` heads
+        come from; built on first use, so a pair with a local head never imports the platform."""
+        from eagle_platform.registry import Registry
+
+        return Registry()
+
+    def _registry_version(self, spec: str) -> tuple[str, str]:
+        """(registered model name, version) that a ``models:/<name>@<alias>`` or ``/<version>`` spec points at now."""
+        from eagle_platform.registry import parse_models_uri
+
+        name, alias, version = parse_models_uri(spec)
+        return name, str(self._registry.head_version_info(name, alias, version=version)["version"])
+
+    def _resolve_head_dir(self, spec: str) -> tuple[str, str | None]:
+        """A head spec as (local directory, registry version or None)."""
+        if spec.startswith("models:/"):
+            name, version = self._registry_version(spec)
+            return self._registry.resolve_head(f"models:/{name}/{version}"), version
+        from eagle.cli import resolve_head_spec
+
+        return resolve_head_spec(spec), None
 
     def _ready(self, head) -> tuple[Decoder, BatchDecoder]:
         """A batch decoder whose functions are compiled (auto tree chosen, policy costs measured) before it
@@ -348,7 +353,7 @@ class PairServer:
         spec = self._head_spec
         if not spec or not spec.startswith("models:/"):
             return False
-        name, current = _registry_version(spec)
+        name, current = self._registry_version(spec)
         if current == self._loaded.head_version:
             return False
         loaded = self._load(f"models:/{name}/{current}")

@@ -58,11 +58,11 @@ def check(config_path: str) -> list[str]:
                 raise PreflightError(f"pair {pair.model!r}: {err}") from None
             head = "none (the target alone)"
             if pair.head and pair.head.startswith("models:/"):
-                from eagle_platform import registry
+                from eagle_platform.registry import Registry, parse_models_uri
 
                 try:
-                    model, alias, version = registry.parse_models_uri(pair.head)
-                    info = registry.head_version_info(model, alias, version=version, uri=tracking)
+                    model, alias, version = parse_models_uri(pair.head)
+                    info = Registry(tracking).head_version_info(model, alias, version=version)
                 except ValueError as err:
                     raise PreflightError(
                         f"pair {pair.model!r}: {str(err).splitlines()[0]} (a head is registered by `make quickstart` "

@@ -85,14 +85,14 @@ def plain_text(target: Target, prompt_ids: list[int], max_new_tokens: int) -> st
 
 def register_head(head_dir: Path, target: Target, *, alias: str = "production") -> str:
     """Log ``head_dir`` to a finished run and register it as ``<target>-eagle``; point ``alias`` at it."""
-    from eagle_platform import registry
+    from eagle_platform.registry import Registry
 
+    registry = Registry()
     registry.register_target(target.name, target.revision, {"test": True})
-    run_id = registry.start_run("eagle-test-serving", f"head-{Path(head_dir).name}")
-    registry.log_artifact(run_id, head_dir, "head")
-    registry.finish_run(run_id)
-    version = registry.register_head(run_id, "head", target.name, target.revision, alias=alias)
-    return version
+    run_id = registry.runs.start_run("eagle-test-serving", f"head-{Path(head_dir).name}")
+    registry.runs.log_artifact(run_id, head_dir, "head")
+    registry.runs.finish_run(run_id)
+    return registry.register_head(run_id, "head", target.name, target.revision, alias=alias)
 
 
 def read_json(path: Path) -> dict:

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import json
 
-from eagle_platform import registry
+from eagle_platform.registry import Runs
 from jobs import curves
 
 
 def test_curves_plot_a_runs_metrics(mlflow_server, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
-    run_id = registry.start_run("eagle-heads", "curves-test", uri=mlflow_server)
+    runs = Runs(mlflow_server)
+    run_id = runs.start_run("eagle-heads", "curves-test")
     for step in range(1, 21):
-        registry.log_metrics(run_id, {"loss": 2.0 / step, "feature_loss": 1.0 / step, "token_loss": 9.0 / step, "acc_1": step / 40}, step=step)
+        runs.log_metrics(run_id, {"loss": 2.0 / step, "feature_loss": 1.0 / step, "token_loss": 9.0 / step, "acc_1": step / 40}, step=step)
         if step % 5 == 0:
-            registry.log_metrics(run_id, {"eval_acc_1": step / 40, "eval_acc_2": step / 60, "eval_sim_tau": 1 + step / 20}, step=step)
-    registry.log_metrics(run_id, {"loss": 0.05}, step=20)  # a resumed run logs a step again: the last value wins
+            runs.log_metrics(run_id, {"eval_acc_1": step / 40, "eval_acc_2": step / 60, "eval_sim_tau": 1 + step / 20}, step=step)
+    runs.log_metrics(run_id, {"loss": 0.05}, step=20)  # a resumed run logs a step again: the last value wins
     out = tmp_path / "curves.png"
     assert curves.main(["--run-name", "curves-test", "--out", str(out)]) == 0
     assert out.stat().st_size > 10_000

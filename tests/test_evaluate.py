@@ -12,7 +12,7 @@ import pytest
 from mlflow import MlflowClient
 
 from eagle.head import EagleHead
-from eagle_platform import registry
+from eagle_platform.registry import Registry
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,13 +22,14 @@ def _register_random_head(smollm2, tmp_path: Path, uri: str, revision: str | Non
     if revision is not None:
         config = json.loads((head_dir / "config.json").read_text())
         (head_dir / "config.json").write_text(json.dumps({**config, "target_revision": revision}))
-    run_id = registry.start_run("eagle-heads", f"eval-test-{tmp_path.name}", tags={"target": smollm2.name}, uri=uri)
-    registry.log_artifact(run_id, head_dir, "head", uri=uri)
-    target_version = registry.register_target(smollm2.name, smollm2.revision, {"name": smollm2.name}, run_id, uri=uri)
+    registry = Registry(uri)
+    run_id = registry.runs.start_run("eagle-heads", f"eval-test-{tmp_path.name}", tags={"target": smollm2.name})
+    registry.runs.log_artifact(run_id, head_dir, "head")
+    target_version = registry.register_target(smollm2.name, smollm2.revision, {"name": smollm2.name}, run_id)
     version = registry.register_head(
-        run_id, "head", smollm2.name, revision or smollm2.revision, alias="candidate", target_model_version=target_version, uri=uri
+        run_id, "head", smollm2.name, revision or smollm2.revision, alias="candidate", target_model_version=target_version
     )
-    registry.finish_run(run_id, "FINISHED", uri=uri)
+    registry.runs.finish_run(run_id, "FINISHED")
     return run_id, version
 
 

@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from eagle_platform import registry
-from eagle_platform.registry import RegistryError
+from eagle_platform.registry import Registry, RegistryError, Runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +27,12 @@ def mlflow_env(mlflow_server, monkeypatch, tmp_path):
     return mlflow_server
 
 
+@pytest.fixture
+def reg(mlflow_env) -> Registry:
+    """A ``Registry`` at the session's server (from ``$MLFLOW_TRACKING_URI``, as the jobs build theirs)."""
+    return Registry()
+
+
 def fake_head(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"model_type": "eagle-head", "hidden_size": 4}))
@@ -34,11 +40,11 @@ def fake_head(directory: Path) -> Path:
     return directory
 
 
-def train_run(head_dir: Path, run_name: str = "train") -> str:
-    run_id = registry.start_run("eagle-test-training", run_name, {"target_name": "smollm2-135m"})
-    registry.log_params(run_id, {"lr": 1e-3, "preset": "quick"})
-    registry.log_metrics(run_id, {"loss": 1.5, "top1": 0.4}, step=3)
-    registry.log_artifact(run_id, head_dir, "head")
+def train_run(runs: Runs, head_dir: Path, run_name: str = "train") -> str:
+    run_id = runs.start_run("eagle-test-training", run_name, {"target_name": "smollm2-135m"})
+    runs.log_params(run_id, {"lr": 1e-3, "preset": "quick"})
+    runs.log_metrics(run_id, {"loss": 1.5, "top1": 0.4}, step=3)
+    runs.log_artifact(run_id, head_dir, "head")
     return run_id
 
 
@@ -83,7 +89,7 @@ def test_unreachable_server_fails_fast_in_one_line(monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     start = time.monotonic()
-    for call in (lambda: registry.resolve_head("models:/smollm2-135m-eagle@production"), lambda: registry.start_run("e", "r")):
+    for call in (lambda: registry.resolve_head("models:/smollm2-135m-eagle@production"), lambda: Runs().start_run("e", "r")):
         with pytest.raises(RegistryError) as err:
             call()
         message = one_line(err.value)
@@ -94,69 +100,71 @@ def test_unreachable_server_fails_fast_in_one_line(monkeypatch):
 # ----------------------------------------------------------------------------------- with a server
 
 
-def test_runs_log_and_resume(mlflow_env, tmp_path):
-    run_id = registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"})
-    registry.log_params(run_id, {"lr": 0.001, "layers": [1, 2]})
-    registry.log_metrics(run_id, {"loss": 2.0}, step=1)
-    registry.log_metrics(run_id, {"loss": 1.0}, step=2)
-    registry.log_dict(run_id, {"a": 1}, "config/train.json")
-    registry.finish_run(run_id, "FAILED")
-    assert registry.find_run("eagle-test-runs", "resumable", tags={"job": "train-1"}) == run_id
-    assert registry.find_run("eagle-test-runs", "resumable", tags={"job": "other"}) is None
-    assert registry.find_run("no-such-experiment", "resumable") is None
+def test_runs_log_and_resume(mlflow_env):
+    runs = Runs(mlflow_env)
+    run_id = runs.start_run("eagle-test-runs", "resumable", {"job": "train-1"})
+    runs.log_params(run_id, {"lr": 0.001, "layers": [1, 2]})
+    runs.log_metrics(run_id, {"loss": 2.0}, step=1)
+    runs.log_metrics(run_id, {"loss": 1.0}, step=2)
+    runs.log_dict(run_id, {"a": 1}, "config/train.json")
+    runs.finish_run(run_id, "FAILED")
+    assert runs.find_run("eagle-test-runs", "resumable", tags={"job": "train-1"}) == run_id
+    assert runs.find_run("eagle-test-runs", "resumable", tags={"job": "other"}) is None
+    assert runs.find_run("no-such-experiment", "resumable") is None
 
-    resumed = registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True)
+    resumed = runs.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True)
     assert resumed == run_id
-    info = registry.run_info(run_id)
+    info = runs.run_info(run_id)
     assert info["status"] == "RUNNING" and info["params"] == {"lr": "0.001", "layers": "[1, 2]"}
     assert info["metrics"] == {"loss": 1.0} and info["tags"] == {"job": "train-1"}
-    registry.finish_run(run_id)
-    assert registry.run_info(run_id)["status"] == "FINISHED"
+    runs.finish_run(run_id)
+    assert runs.run_info(run_id)["status"] == "FINISHED"
     # a finished run is not reopened: resuming starts a new one
-    assert registry.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True) != run_id
+    assert runs.start_run("eagle-test-runs", "resumable", {"job": "train-1"}, resume=True) != run_id
     with pytest.raises(RegistryError):
-        registry.finish_run(run_id, "DONE")
+        runs.finish_run(run_id, "DONE")
 
 
-def test_register_target_is_idempotent_and_keeps_a_card(mlflow_env):
+def test_register_target_is_idempotent_and_keeps_a_card(reg):
     card = {"spec": "smollm2-135m", "architecture": "LlamaForCausalLM", "hidden_size": 576}
-    version = registry.register_target("smollm2-135m", "q4_1-v1", card)
-    assert registry.register_target("smollm2-135m", "q4_1-v1", card) == version
-    assert registry.target_version("smollm2-135m", "q4_1-v1") == version
-    assert registry.target_version("smollm2-135m", "never") is None
-    assert registry.target_card("smollm2-135m", version) == {**card, "name": "smollm2-135m", "revision": "q4_1-v1"}
-    other = registry.register_target("smollm2-135m", "q4_1-v2", card)
+    version = reg.register_target("smollm2-135m", "q4_1-v1", card)
+    assert reg.register_target("smollm2-135m", "q4_1-v1", card) == version
+    assert reg.target_version("smollm2-135m", "q4_1-v1") == version
+    assert reg.target_version("smollm2-135m", "never") is None
+    assert reg.target_card("smollm2-135m", version) == {**card, "name": "smollm2-135m", "revision": "q4_1-v1"}
+    other = reg.register_target("smollm2-135m", "q4_1-v2", card)
     assert int(other) > int(version)
 
 
-def test_register_promote_and_resolve_a_head(mlflow_env, tmp_path):
-    target_version = registry.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
-    run_id = train_run(fake_head(tmp_path / "head"))
-    version = registry.register_head(run_id, "head", "smollm2-135m", "q4_1-v1", tags={"tau": "1.8"})
+def test_register_promote_and_resolve_a_head(reg, tmp_path):
+    target_version = reg.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
+    run_id = train_run(reg.runs, fake_head(tmp_path / "head"))
+    version = reg.register_head(run_id, "head", "smollm2-135m", "q4_1-v1", tags={"tau": "1.8"})
 
-    candidate = registry.head_version_info("smollm2-135m-eagle", "candidate")
+    candidate = reg.head_version_info("smollm2-135m-eagle", "candidate")
     assert candidate["version"] == version and candidate["run_id"] == run_id and "candidate" in candidate["aliases"]
     assert candidate["tags"]["target_name"] == "smollm2-135m"
     assert candidate["tags"]["target_revision"] == "q4_1-v1"
     assert candidate["tags"]["target_model_version"] == target_version
     assert candidate["tags"]["tau"] == "1.8"
 
-    registry.promote("smollm2-135m", version)
-    production = registry.head_version_info("smollm2-135m-eagle", "production")
+    reg.promote("smollm2-135m", version)
+    production = reg.head_version_info("smollm2-135m-eagle", "production")
     assert production["version"] == version and {"candidate", "production"} <= set(production["aliases"])
 
-    local = Path(registry.resolve_head("models:/smollm2-135m-eagle@production"))
+    local = Path(reg.resolve_head("models:/smollm2-135m-eagle@production"))
     assert sorted(p.name for p in local.iterdir() if not p.name.startswith(".")) == ["config.json", "model.safetensors"]
     assert (local / "model.safetensors").read_bytes() == (tmp_path / "head" / "model.safetensors").read_bytes()
     assert local.is_relative_to(tmp_path / "cache" / "heads" / "smollm2-135m-eagle")
     stamp = (local / "model.safetensors").stat().st_mtime_ns
-    assert registry.resolve_head(f"models:/smollm2-135m-eagle/{version}") == str(local)  # cached, not downloaded again
+    # the entry point's function (a Registry at $MLFLOW_TRACKING_URI) finds it cached, not downloaded again
+    assert registry.resolve_head(f"models:/smollm2-135m-eagle/{version}") == str(local)
     assert (local / "model.safetensors").stat().st_mtime_ns == stamp
 
 
-def test_unknown_model_alias_or_version_is_one_line(mlflow_env, tmp_path):
-    registry.register_target("smollm2-135m", "q4_1-v1", {})
-    registry.register_head(train_run(fake_head(tmp_path / "head")), "head", "smollm2-135m", "q4_1-v1")
+def test_unknown_model_alias_or_version_is_one_line(reg, tmp_path):
+    reg.register_target("smollm2-135m", "q4_1-v1", {})
+    reg.register_head(train_run(reg.runs, fake_head(tmp_path / "head")), "head", "smollm2-135m", "q4_1-v1")
     cases = {
         "models:/smollm2-135m-eagle@no-such-alias": "has no alias 'no-such-alias'",
         "models:/smollm2-135m-eagle/9999": "has no version 9999",
@@ -164,24 +172,24 @@ def test_unknown_model_alias_or_version_is_one_line(mlflow_env, tmp_path):
     }
     for uri, expected in cases.items():
         with pytest.raises(RegistryError) as err:
-            registry.resolve_head(uri)
+            reg.resolve_head(uri)
         assert expected in one_line(err.value)
     with pytest.raises(RegistryError, match="has no version 9999"):
-        registry.promote("smollm2-135m", 9999)
+        reg.promote("smollm2-135m", 9999)
 
 
-def test_failed_registration_leaves_nothing_behind(mlflow_env, tmp_path, monkeypatch):
+def test_failed_registration_leaves_nothing_behind(reg, tmp_path, monkeypatch):
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
-    registry.register_target("tiny-x", "r1", {})
-    run_id = train_run(fake_head(tmp_path / "head"))
+    reg.register_target("tiny-x", "r1", {})
+    run_id = train_run(reg.runs, fake_head(tmp_path / "head"))
     # the head's files must be logged before it is registered
     with pytest.raises(RegistryError, match="missing config.json, model.safetensors"):
-        registry.register_head(run_id, "not-there", "tiny-x", "r1")
+        reg.register_head(run_id, "not-there", "tiny-x", "r1")
     # the target must be registered at that revision
     with pytest.raises(RegistryError, match="not registered"):
-        registry.register_head(run_id, "head", "tiny-x", "r2")
+        reg.register_head(run_id, "head", "tiny-x", "r2")
 
     def broken(self, *args, **kwargs):
         raise MlflowException("registry store is read-only")
@@ -189,19 +197,83 @@ def test_failed_registration_leaves_nothing_behind(mlflow_env, tmp_path, monkeyp
     with monkeypatch.context() as patch:
         patch.setattr(MlflowClient, "create_model_version", broken)
         with pytest.raises(RegistryError, match="read-only"):
-            registry.register_head(run_id, "head", "tiny-x", "r1")
-    mlflow_client = MlflowClient(tracking_uri=mlflow_env, registry_uri=mlflow_env)
+            reg.register_head(run_id, "head", "tiny-x", "r1")
+    mlflow_client = MlflowClient(tracking_uri=reg.uri, registry_uri=reg.uri)
     with pytest.raises(MlflowException):  # the empty model created on the way was deleted again
         mlflow_client.get_registered_model("tiny-x-eagle")
 
     # an alias that cannot be set removes the version it would have named; the model itself stays
-    first = registry.register_head(run_id, "head", "tiny-x", "r1")
+    first = reg.register_head(run_id, "head", "tiny-x", "r1")
     with monkeypatch.context() as patch:
         patch.setattr(MlflowClient, "set_registered_model_alias", broken)
         with pytest.raises(RegistryError, match="read-only"):
-            registry.register_head(run_id, "head", "tiny-x", "r1")
+            reg.register_head(run_id, "head", "tiny-x", "r1")
     versions = mlflow_client.search_model_versions("name = 'tiny-x-eagle'")
     assert [v.version for v in versions] == [first]
+
+
+# ----------------------------------------------------------------- versions, tags and aliases of a model
+
+
+def _heads(reg: Registry, target: str, tmp_path: Path, count: int) -> tuple[str, list[str]]:
+    """``count`` head versions of ``target``: the first tagged ``tau`` and @candidate, the rest bare."""
+    reg.register_target(target, "r1", {})
+    run_id = train_run(reg.runs, fake_head(tmp_path / "head"))
+    versions = [reg.register_head(run_id, "head", target, "r1", tags={"tau": "1.5"})]
+    versions += [reg.register_head(run_id, "head", target, "r1", alias=None) for _ in range(count - 1)]
+    return run_id, versions
+
+
+def test_versions_are_every_version_oldest_first(reg, tmp_path):
+    assert reg.versions("no-such-model-eagle") == []
+    run_id, registered = _heads(reg, "tiny-versions", tmp_path, 11)  # 11: "10" sorts after "9", not before "2"
+    reg.promote("tiny-versions", registered[1])
+    versions = reg.versions("tiny-versions-eagle")
+    assert [v["version"] for v in versions] == registered == [str(int(registered[0]) + i) for i in range(11)]
+    first, second = versions[0], versions[1]
+    assert first["aliases"] == ["candidate"] and second["aliases"] == ["production"] and versions[2]["aliases"] == []
+    assert first["tags"]["tau"] == "1.5" and first["tags"]["target_revision"] == "r1" and "tau" not in second["tags"]
+    assert first["run_id"] == run_id and first["source"].endswith("/head")
+    assert [v["created_ms"] for v in versions] == sorted(v["created_ms"] for v in versions)
+    assert [v["version"] for v in reg.versions("tiny-versions")] == [reg.target_version("tiny-versions", "r1")]
+
+
+def test_version_tags_are_set_and_deleted(reg, tmp_path):
+    _, (version,) = _heads(reg, "tiny-tags", tmp_path, 1)
+    reg.set_version_tags("tiny-tags-eagle", version, {"gate": "passed", "tau": 2.25})
+    tags = reg.versions("tiny-tags-eagle")[0]["tags"]
+    assert tags["gate"] == "passed" and tags["tau"] == "2.25" and tags["target_name"] == "tiny-tags"
+    reg.delete_version_tag("tiny-tags-eagle", version, "gate")
+    reg.delete_version_tag("tiny-tags-eagle", version, "gate")  # already gone: no error
+    assert "gate" not in reg.versions("tiny-tags-eagle")[0]["tags"]
+    with pytest.raises(RegistryError) as err:
+        reg.set_version_tags("tiny-tags-eagle", "9999", {"gate": "passed"})
+    assert "has no version 9999" in one_line(err.value)
+    with pytest.raises(RegistryError) as err:
+        reg.delete_version_tag("no-such-model-eagle", "1", "gate")
+    assert "no registered model 'no-such-model-eagle'" in one_line(err.value)
+
+
+def test_aliases_are_read_and_deleted(reg, tmp_path):
+    _, (version,) = _heads(reg, "tiny-alias", tmp_path, 1)
+    assert reg.alias_version("tiny-alias-eagle", "candidate") == version
+    assert reg.alias_version("tiny-alias-eagle", "production") is None  # never set
+    assert reg.alias_version("no-such-model-eagle", "candidate") is None
+    reg.delete_alias("tiny-alias-eagle", "candidate")
+    assert reg.alias_version("tiny-alias-eagle", "candidate") is None
+    reg.delete_alias("tiny-alias-eagle", "candidate")  # absent: no error
+    reg.delete_alias("no-such-model-eagle", "candidate")
+    assert reg.versions("tiny-alias-eagle")[0]["aliases"] == []
+
+
+def test_models_lists_every_registered_model(reg, tmp_path):
+    _, (version,) = _heads(reg, "tiny-models", tmp_path, 1)
+    models = reg.models()
+    names = [m["name"] for m in models]
+    assert names == sorted(names) and {"tiny-models", "tiny-models-eagle"} <= set(names)
+    by_name = {m["name"]: m for m in models}
+    assert by_name["tiny-models-eagle"]["aliases"] == {"candidate": version}
+    assert by_name["tiny-models"]["aliases"] == {} and by_name["tiny-models"]["tags"] == {}
 
 
 # --------------------------------------------------------------------------------- eaglectl --head
@@ -222,17 +294,17 @@ def test_eaglectl_unknown_alias_or_scheme_exits_2_in_one_line(mlflow_env, capsys
 
 
 @pytest.mark.slow
-def test_eaglectl_generates_with_a_registered_head(mlflow_env, smollm2, tmp_path, capsys):
+def test_eaglectl_generates_with_a_registered_head(reg, smollm2, tmp_path, capsys):
     from eagle.cli import main
     from eagle.head import EagleHead
 
     EagleHead.for_target(smollm2, seed=0).save_pretrained(tmp_path / "head")
-    registry.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
-    run_id = registry.start_run("eagle-test-training", "real-head")
-    registry.log_artifact(run_id, tmp_path / "head", "head")
-    registry.finish_run(run_id)
-    version = registry.register_head(run_id, "head", "smollm2-135m", "q4_1-v1")
-    registry.promote("smollm2-135m", version)
+    reg.register_target("smollm2-135m", "q4_1-v1", {"architecture": "LlamaForCausalLM"})
+    run_id = reg.runs.start_run("eagle-test-training", "real-head")
+    reg.runs.log_artifact(run_id, tmp_path / "head", "head")
+    reg.runs.finish_run(run_id)
+    version = reg.register_head(run_id, "head", "smollm2-135m", "q4_1-v1")
+    reg.promote("smollm2-135m", version)
     capsys.readouterr()
 
     code = main([

@@ -377,7 +377,7 @@ def test_moving_the_alias_swaps_the_head_without_dropping_a_streamed_request(app
     """Promote a new version while a streamed request runs on "swap": that request finishes on the old
     version without an error, the replica reports the new version within the deadline, and new requests
     are served by it (still equal to plain decoding); the replica never restarts."""
-    from eagle_platform import registry
+    from eagle_platform.registry import Registry
 
     base, _, _, swap = app
     target = swap["target"]
@@ -393,7 +393,7 @@ def test_moving_the_alias_swaps_the_head_without_dropping_a_streamed_request(app
         lines = response.iter_lines()
         first_data = next(line for line in lines if line.startswith("data: "))
         second = register_head(tiny_head_dir(swap["target_dir"], swap["root"] / "head-a-v2", seed=8), target, alias="candidate")
-        registry.promote(target.name, second, "production")
+        Registry().promote(target.name, second, "production")
         rest = [line for line in lines if line.startswith("data: ")]
     events = [json.loads(line[6:]) for line in [first_data] + rest[:-1]]
     assert rest[-1] == "data: [DONE]" and not any("error" in e for e in events)

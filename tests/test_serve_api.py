@@ -196,7 +196,7 @@ def test_request_errors_keep_their_fields_through_pickling():
 def test_hot_swap_follows_the_alias_without_dropping_a_request_in_flight(mlflow_server, monkeypatch, tmp_path):
     """A pair on models:/<target>-eagle@production: moving the alias to a new version swaps the head for new
     requests, while a request that started on the old head finishes on it."""
-    from eagle_platform import registry
+    from eagle_platform.registry import Registry
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
@@ -212,7 +212,7 @@ def test_hot_swap_follows_the_alias_without_dropping_a_request_in_flight(mlflow_
             events = server.stream(Request(prompt="Story:", max_tokens=30, temperature=0))
             start = await events.__anext__()
             second = register_head(tiny_head_dir(target_dir, tmp_path / "h2", seed=2), target, alias="candidate")
-            registry.promote(target.name, second, "production")
+            Registry().promote(target.name, second, "production")
             assert await asyncio.get_running_loop().run_in_executor(None, server.refresh) is True
             rest = [event async for event in events]
             after = await server.generate(Request(prompt="Story:", max_tokens=30, temperature=0))

@@ -1,5 +1,14 @@
 """The registry adapter: the single place that knows how targets, heads and their link live in MLflow.
 
+Two objects, each bound to one tracking URI (default ``tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or the local
+stack's ``http://127.0.0.1:5000``) and one ``MlflowClient``:
+
+- ``Runs``: run tracking (experiments, runs, params, metrics, tags, artifacts) with explicit run ids, never
+  MLflow's global active run. It knows nothing about targets or heads.
+- ``Registry``: the naming of targets and heads in the model registry (registered models, versions, tags,
+  aliases) and the download of a head into the local cache. ``Registry.runs`` is its ``Runs`` (same URI,
+  same client): a target's card and a head's files are artifacts of runs.
+
 Naming (one registered model per target, one per target's heads):
 
 - a **target** is registered as model ``<target_name>`` (e.g. ``smollm2-135m``); each version holds a small
@@ -12,10 +21,12 @@ Naming (one registered model per target, one per target's heads):
 - aliases, never stages: ``candidate`` (a freshly trained head) and ``production`` (promoted after its
   evaluation gate). ``models:/smollm2-135m-eagle@production`` names the head to serve.
 
-Every call talks to MLflow through ``MlflowClient`` with explicit run ids (no global active run), at
-``tracking_uri()``: ``$MLFLOW_TRACKING_URI`` or the local stack's ``http://127.0.0.1:5000``. Every failure the
-user can act on (no server, unknown model / alias / version, missing artifacts) is a ``RegistryError`` with a
-one-line message. No torch here: the control plane is torch-free.
+The naming helpers (``target_model_name``, ``head_model_name``, ``head_uri``, ``parse_models_uri``,
+``cache_dir``) are module functions that need no server, and so is ``resolve_head(uri)``: the ``models``
+resolver of the ``eagle.head_resolvers`` entry-point group. Before talking to MLflow each object checks that
+an HTTP server answers at its URI (at most every 30 s), so a missing server fails in one line instead of
+MLflow's retry loop. Every failure the user can act on (no server, unknown model / alias / version, missing
+artifacts) is a ``RegistryError`` with a one-line message. No torch here: the control plane is torch-free.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -93,20 +104,19 @@ def parse_models_uri(uri: str) -> tuple[str, str | None, str | None]:
     return match["name"], match["alias"], match["version"]
 
 
+def cache_dir() -> Path:
+    """``$EAGLE_CACHE_DIR/heads`` or ``~/.cache/eagle-platform/heads`` (the rule of ``eagle.target.cache_root``,
+    restated here because platform/ imports no torch)."""
+    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
+    return Path(root) / "heads"
+
+
 def _check_name(name: str, what: str) -> None:
     if not isinstance(name, str) or not _NAME.match(name):
         raise RegistryError(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-' (no '/', '@' or spaces)")
 
 
 # ------------------------------------------------------------------------------------------ connection
-
-
-def client(uri: str | None = None) -> MlflowClient:
-    """An ``MlflowClient`` for tracking and registry at ``uri`` (default ``tracking_uri()``), after checking
-    that an HTTP server answers there (fails fast with one line instead of MLflow's retry loop)."""
-    uri = uri or tracking_uri()
-    _check_reachable(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
 
 
 def _no_server(uri: str) -> RegistryError:
@@ -156,423 +166,507 @@ def _error_code(err: MlflowException) -> str:
     return getattr(err, "error_code", "") or ""
 
 
+class _Connection:
+    """A tracking URI and its ``MlflowClient`` (tracking and registry at the same URI)."""
+
+    def __init__(self, uri: str | None = None, *, client: MlflowClient | None = None) -> None:
+        self.uri = uri or tracking_uri()
+        self._client = client or MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
+
+    @property
+    def client(self) -> MlflowClient:
+        """The ``MlflowClient``, after checking that a server answers at ``uri`` (see ``check_server``)."""
+        self.check_server()
+        return self._client
+
+    def check_server(self) -> None:
+        """Raise a one-line ``RegistryError`` now when no HTTP server answers at ``uri`` (a success is
+        remembered for 30 s per URI; non-HTTP URIs such as ``sqlite:`` are not probed)."""
+        _check_reachable(self.uri)
+
+    def _errors(self, context: str) -> contextlib.AbstractContextManager[None]:
+        return _mlflow_errors(self.uri, context)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 
-def get_or_create_experiment(name: str, *, uri: str | None = None) -> str:
-    """The id of experiment ``name``, created if missing (a deleted one is restored)."""
-    uri = uri or tracking_uri()
-    mlflow_client = client(uri)
-    with _mlflow_errors(uri, f"experiment {name!r}"):
-        experiment = mlflow_client.get_experiment_by_name(name)
-        if experiment is None:
-            try:
-                return mlflow_client.create_experiment(name)
-            except MlflowException as err:  # created meanwhile by another process
-                if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
-                    raise
-                experiment = mlflow_client.get_experiment_by_name(name)
-        if experiment.lifecycle_stage == "deleted":
-            mlflow_client.restore_experiment(experiment.experiment_id)
-        return experiment.experiment_id
+class Runs(_Connection):
+    """MLflow run tracking (experiments, runs, params, metrics, tags, artifacts) at one tracking URI.
 
-
-def find_run(
-    experiment: str,
-    run_name: str,
-    *,
-    tags: Mapping[str, str] | None = None,
-    statuses: tuple[str, ...] | None = None,
-    uri: str | None = None,
-) -> str | None:
-    """The newest run named ``run_name`` in ``experiment`` (matching every tag in ``tags`` and one of
-    ``statuses``, e.g. ``("RUNNING", "FAILED")`` when resuming), or None."""
-    uri = uri or tracking_uri()
-    mlflow_client = client(uri)
-    with _mlflow_errors(uri, f"searching runs of {experiment!r}"):
-        found = mlflow_client.get_experiment_by_name(experiment)
-        if found is None:
-            return None
-        clauses = [f"attributes.run_name = {_quote(run_name)}"]
-        clauses += [f"tags.{_tag_key(key)} = {_quote(str(value))}" for key, value in (tags or {}).items()]
-        runs = mlflow_client.search_runs(
-            [found.experiment_id], filter_string=" and ".join(clauses), order_by=["attributes.start_time DESC"], max_results=100
-        )
-    for run in runs:
-        if statuses is None or run.info.status in statuses:
-            return run.info.run_id
-    return None
-
-
-def start_run(
-    experiment: str,
-    run_name: str,
-    tags: Mapping[str, str] | None = None,
-    *,
-    resume: bool = False,
-    resume_statuses: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED"),
-    uri: str | None = None,
-) -> str:
-    """A new run in ``experiment`` (created if missing); with ``resume``, the newest run with the same name
-    and tags whose status is one of ``resume_statuses`` (by default the unfinished ones) is reopened
-    instead. Returns the run id."""
-    uri = uri or tracking_uri()
-    if resume:
-        run_id = find_run(experiment, run_name, tags=tags, statuses=resume_statuses, uri=uri)
-        if run_id is not None:
-            with _mlflow_errors(uri, f"reopening run {run_id}"):
-                client(uri).update_run(run_id, status="RUNNING")
-            logger.info("resuming MLflow run %s (%s)", run_id, run_name)
-            return run_id
-    experiment_id = get_or_create_experiment(experiment, uri=uri)
-    with _mlflow_errors(uri, f"starting run {run_name!r}"):
-        run = client(uri).create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items()})
-    return run.info.run_id
-
-
-def log_params(run_id: str, params: Mapping[str, Any], *, uri: str | None = None) -> None:
-    """Log params (values as strings; MLflow keeps a param's first value: log each key once per run)."""
-    if not params:
-        return
-    uri = uri or tracking_uri()
-    with _mlflow_errors(uri, f"logging params to run {run_id}"):
-        client(uri).log_batch(run_id, params=[Param(str(k), _param_value(v)) for k, v in params.items()])
-
-
-def log_metrics(run_id: str, metrics: Mapping[str, float], step: int | None = None, *, uri: str | None = None) -> None:
-    """Log numeric metrics at ``step`` (one batch request)."""
-    if not metrics:
-        return
-    uri = uri or tracking_uri()
-    now = int(time.time() * 1000)
-    batch = [Metric(str(k), float(v), now, int(step or 0)) for k, v in metrics.items()]
-    with _mlflow_errors(uri, f"logging metrics to run {run_id}"):
-        client(uri).log_batch(run_id, metrics=batch)
-
-
-def set_tags(run_id: str, tags: Mapping[str, Any], *, uri: str | None = None) -> None:
-    uri = uri or tracking_uri()
-    with _mlflow_errors(uri, f"tagging run {run_id}"):
-        mlflow_client = client(uri)
-        for key, value in tags.items():
-            mlflow_client.set_tag(run_id, str(key), str(value))
-
-
-def log_dict(run_id: str, dictionary: Mapping[str, Any], artifact_file: str, *, uri: str | None = None) -> None:
-    """Log ``dictionary`` as a JSON (or YAML, by extension) artifact at ``artifact_file``."""
-    uri = uri or tracking_uri()
-    with _mlflow_errors(uri, f"logging {artifact_file} to run {run_id}"):
-        client(uri).log_dict(run_id, dict(dictionary), artifact_file)
-
-
-def log_artifact(run_id: str, local_path: str | os.PathLike, artifact_path: str | None = None, *, uri: str | None = None) -> None:
-    """Upload a file, or a directory's contents, under ``artifact_path`` of the run."""
-    uri = uri or tracking_uri()
-    path = Path(local_path)
-    if not path.exists():
-        raise RegistryError(f"cannot log {path}: no such file or directory")
-    with _mlflow_errors(uri, f"logging {path} to run {run_id}"):
-        if path.is_dir():
-            client(uri).log_artifacts(run_id, str(path), artifact_path)
-        else:
-            client(uri).log_artifact(run_id, str(path), artifact_path)
-
-
-def finish_run(run_id: str, status: str = "FINISHED", *, uri: str | None = None) -> None:
-    """Mark the run FINISHED, FAILED or KILLED."""
-    if status not in ("FINISHED", "FAILED", "KILLED"):
-        raise RegistryError(f"bad run status {status!r}: expected FINISHED, FAILED or KILLED")
-    uri = uri or tracking_uri()
-    with _mlflow_errors(uri, f"finishing run {run_id}"), contextlib.redirect_stdout(sys.stderr):
-        # MLflow prints "View run ... at ..." links on stdout; stdout belongs to the CLIs' output
-        client(uri).set_terminated(run_id, status=status)
-
-
-def run_info(run_id: str, *, uri: str | None = None) -> dict[str, Any]:
-    """Status, name, artifact URI, params, metrics (latest) and tags of a run."""
-    uri = uri or tracking_uri()
-    with _mlflow_errors(uri, f"run {run_id}"):
-        run = client(uri).get_run(run_id)
-    return {
-        "run_id": run.info.run_id,
-        "run_name": run.info.run_name,
-        "experiment_id": run.info.experiment_id,
-        "status": run.info.status,
-        "artifact_uri": run.info.artifact_uri,
-        "params": dict(run.data.params),
-        "metrics": dict(run.data.metrics),
-        "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")},
-    }
-
-
-# -------------------------------------------------------------------------------------------- targets
-
-
-def register_target(
-    target_name: str,
-    revision: str,
-    card: Mapping[str, Any] | None = None,
-    run_id: str | None = None,
-    *,
-    uri: str | None = None,
-) -> str:
-    """Register ``target_name`` at ``revision`` as a version of model ``target_name``; returns the version.
-
-    Idempotent: a version tagged with the same ``target_revision`` is returned as is. Otherwise the card
-    (name, revision and whatever ``card`` holds: spec, architecture, ...) is logged as ``target/target.json``
-    to ``run_id`` (or to a new, finished run in experiment ``eagle-targets``) and that folder is registered.
+    ``uri`` defaults to ``tracking_uri()``; ``client`` lets a ``Registry`` share its ``MlflowClient``.
     """
-    uri = uri or tracking_uri()
-    name = target_model_name(target_name)
-    revision = str(revision)
-    existing = target_version(target_name, revision, uri=uri)
-    if existing is not None:
-        return existing
-    own_run = run_id is None
-    if own_run:
-        run_id = start_run(TARGETS_EXPERIMENT, f"{target_name}@{revision}", {"target_name": target_name, "target_revision": revision}, uri=uri)
-    full_card = {**dict(card or {}), "name": target_name, "revision": revision}
-    try:
-        log_dict(run_id, full_card, TARGET_CARD_PATH, uri=uri)
-        version = _register_version(
-            name, run_id, TARGET_CARD_PATH.rsplit("/", 1)[0],
-            {"kind": "target", "target_name": target_name, "target_revision": revision}, uri=uri,
-        )
-    except Exception:
-        if own_run:
-            _finish_quietly(run_id, "FAILED", uri)
-        raise
-    if own_run:
-        finish_run(run_id, uri=uri)
-    logger.info("registered target %s revision %s as version %s", target_name, revision, version)
-    return version
 
+    def get_or_create_experiment(self, name: str) -> str:
+        """The id of experiment ``name``, created if missing (a deleted one is restored)."""
+        mlflow_client = self.client
+        with self._errors(f"experiment {name!r}"):
+            experiment = mlflow_client.get_experiment_by_name(name)
+            if experiment is None:
+                try:
+                    return mlflow_client.create_experiment(name)
+                except MlflowException as err:  # created meanwhile by another process
+                    if _error_code(err) != "RESOURCE_ALREADY_EXISTS":
+                        raise
+                    experiment = mlflow_client.get_experiment_by_name(name)
+            if experiment.lifecycle_stage == "deleted":
+                mlflow_client.restore_experiment(experiment.experiment_id)
+            return experiment.experiment_id
 
-def target_version(target_name: str, revision: str, *, uri: str | None = None) -> str | None:
-    """The version of model ``target_name`` registered for ``revision``, or None."""
-    uri = uri or tracking_uri()
-    name = target_model_name(target_name)
-    with _mlflow_errors(uri, f"searching versions of {name!r}"):
-        versions = client(uri).search_model_versions(
-            f"name = {_quote(name)} and tags.target_revision = {_quote(str(revision))}"
-        )
-    ready = sorted((v for v in versions if v.status == "READY"), key=lambda v: int(v.version))
-    return ready[0].version if ready else None
-
-
-def target_card(target_name: str, version: str | None = None, *, uri: str | None = None) -> dict[str, Any]:
-    """The card (``target/target.json``) of a target version (default: the newest)."""
-    uri = uri or tracking_uri()
-    name = target_model_name(target_name)
-    mlflow_client = client(uri)
-    with _mlflow_errors(uri, f"target {name!r}"):
-        if version is None:
-            versions = mlflow_client.search_model_versions(f"name = {_quote(name)}")
-            if not versions:
-                raise RegistryError(f"target {target_name!r} is not registered at {uri}")
-            version = max(versions, key=lambda v: int(v.version)).version
-        model_version = _get_version(mlflow_client, uri, name, version=str(version))
-    with tempfile.TemporaryDirectory() as tmp, _mlflow_errors(uri, f"downloading the card of {name} version {version}"):
-        import mlflow.artifacts
-
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"{model_version.source.rstrip('/')}/target.json", dst_path=tmp, tracking_uri=uri
-        )
-        return json.loads(Path(local).read_text())
-
-
-# ---------------------------------------------------------------------------------------------- heads
-
-
-def register_head(
-    run_id: str,
-    head_artifact_path: str,
-    target_name: str,
-    target_revision: str,
-    alias: str | None = CANDIDATE,
-    tags: Mapping[str, Any] | None = None,
-    *,
-    target_model_version: str | None = None,
-    uri: str | None = None,
-) -> str:
-    """Register the head directory logged at ``head_artifact_path`` of run ``run_id`` as a new version of
-    ``<target_name>-eagle``, tagged with its target, and point ``alias`` at it. Returns the version.
-
-    The head's files must already be logged (``config.json`` and ``model.safetensors`` under that path), and
-    the target must be registered at ``target_revision`` (``register_target``; its version is the
-    ``target_model_version`` tag). All or nothing: when a step fails, a registered model created by this
-    call is deleted again, and so is a version it created.
-    """
-    uri = uri or tracking_uri()
-    name = head_model_name(target_name)
-    target_revision = str(target_revision)
-    mlflow_client = client(uri)
-    artifact_path = head_artifact_path.strip("/")
-    with _mlflow_errors(uri, f"listing artifacts of run {run_id}"):
-        present = {Path(f.path).name for f in mlflow_client.list_artifacts(run_id, artifact_path) if not f.is_dir}
-    missing = [f for f in HEAD_FILES if f not in present]
-    if missing:
-        raise RegistryError(f"run {run_id} has no head at {artifact_path!r}: missing {', '.join(missing)} (log the head before registering it)")
-    if target_model_version is None:
-        target_model_version = target_version(target_name, target_revision, uri=uri)
-        if target_model_version is None:
-            raise RegistryError(
-                f"target {target_name!r} revision {target_revision!r} is not registered: register the target before its heads"
+    def find_run(
+        self,
+        experiment: str,
+        run_name: str,
+        *,
+        tags: Mapping[str, str] | None = None,
+        statuses: tuple[str, ...] | None = None,
+    ) -> str | None:
+        """The newest run named ``run_name`` in ``experiment`` (matching every tag in ``tags`` and one of
+        ``statuses``, e.g. ``("RUNNING", "FAILED")`` when resuming), or None."""
+        mlflow_client = self.client
+        with self._errors(f"searching runs of {experiment!r}"):
+            found = mlflow_client.get_experiment_by_name(experiment)
+            if found is None:
+                return None
+            clauses = [f"attributes.run_name = {_quote(run_name)}"]
+            clauses += [f"tags.{_tag_key(key)} = {_quote(str(value))}" for key, value in (tags or {}).items()]
+            runs = mlflow_client.search_runs(
+                [found.experiment_id], filter_string=" and ".join(clauses), order_by=["attributes.start_time DESC"], max_results=100
             )
-    all_tags = {
-        **{str(k): str(v) for k, v in (tags or {}).items()},
-        "kind": "eagle-head",
-        "target_name": target_name,
-        "target_revision": target_revision,
-        "target_model_version": str(target_model_version),
-    }
-    version = _register_version(name, run_id, artifact_path, all_tags, alias=alias, uri=uri)
-    logger.info("registered head %s version %s (run %s)%s", name, version, run_id, f" as @{alias}" if alias else "")
-    return version
+        for run in runs:
+            if statuses is None or run.info.status in statuses:
+                return run.info.run_id
+        return None
+
+    def start_run(
+        self,
+        experiment: str,
+        run_name: str,
+        tags: Mapping[str, str] | None = None,
+        *,
+        resume: bool = False,
+        resume_statuses: tuple[str, ...] = ("RUNNING", "FAILED", "KILLED"),
+    ) -> str:
+        """A new run in ``experiment`` (created if missing); with ``resume``, the newest run with the same
+        name and tags whose status is one of ``resume_statuses`` (by default the unfinished ones) is reopened
+        instead. Returns the run id."""
+        if resume:
+            run_id = self.find_run(experiment, run_name, tags=tags, statuses=resume_statuses)
+            if run_id is not None:
+                with self._errors(f"reopening run {run_id}"):
+                    self.client.update_run(run_id, status="RUNNING")
+                logger.info("resuming MLflow run %s (%s)", run_id, run_name)
+                return run_id
+        experiment_id = self.get_or_create_experiment(experiment)
+        with self._errors(f"starting run {run_name!r}"):
+            run = self.client.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items()})
+        return run.info.run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
+        """Log params (values as strings; MLflow keeps a param's first value: log each key once per run)."""
+        if not params:
+            return
+        with self._errors(f"logging params to run {run_id}"):
+            self.client.log_batch(run_id, params=[Param(str(k), _param_value(v)) for k, v in params.items()])
+
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int | None = None) -> None:
+        """Log numeric metrics at ``step`` (one batch request)."""
+        if not metrics:
+            return
+        now = int(time.time() * 1000)
+        batch = [Metric(str(k), float(v), now, int(step or 0)) for k, v in metrics.items()]
+        with self._errors(f"logging metrics to run {run_id}"):
+            self.client.log_batch(run_id, metrics=batch)
+
+    def set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        """Set run tags (values as strings)."""
+        with self._errors(f"tagging run {run_id}"):
+            mlflow_client = self.client
+            for key, value in tags.items():
+                mlflow_client.set_tag(run_id, str(key), str(value))
+
+    def log_dict(self, run_id: str, dictionary: Mapping[str, Any], artifact_file: str) -> None:
+        """Log ``dictionary`` as a JSON (or YAML, by extension) artifact at ``artifact_file``."""
+        with self._errors(f"logging {artifact_file} to run {run_id}"):
+            self.client.log_dict(run_id, dict(dictionary), artifact_file)
+
+    def log_artifact(self, run_id: str, local_path: str | os.PathLike, artifact_path: str | None = None) -> None:
+        """Upload a file, or a directory's contents, under ``artifact_path`` of the run."""
+        path = Path(local_path)
+        if not path.exists():
+            raise RegistryError(f"cannot log {path}: no such file or directory")
+        with self._errors(f"logging {path} to run {run_id}"):
+            if path.is_dir():
+                self.client.log_artifacts(run_id, str(path), artifact_path)
+            else:
+                self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def finish_run(self, run_id: str, status: str = "FINISHED") -> None:
+        """Mark the run FINISHED, FAILED or KILLED."""
+        if status not in ("FINISHED", "FAILED", "KILLED"):
+            raise RegistryError(f"bad run status {status!r}: expected FINISHED, FAILED or KILLED")
+        with self._errors(f"finishing run {run_id}"), contextlib.redirect_stdout(sys.stderr):
+            # MLflow prints "View run ... at ..." links on stdout; stdout belongs to the CLIs' output
+            self.client.set_terminated(run_id, status=status)
+
+    def run_info(self, run_id: str) -> dict[str, Any]:
+        """Status, name, artifact URI, params, metrics (latest) and tags of a run."""
+        with self._errors(f"run {run_id}"):
+            run = self.client.get_run(run_id)
+        return {
+            "run_id": run.info.run_id,
+            "run_name": run.info.run_name,
+            "experiment_id": run.info.experiment_id,
+            "status": run.info.status,
+            "artifact_uri": run.info.artifact_uri,
+            "params": dict(run.data.params),
+            "metrics": dict(run.data.metrics),
+            "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.")},
+        }
 
 
-def promote(target_name: str, version: str | int, alias: str = PRODUCTION, *, uri: str | None = None) -> None:
-    """Point ``alias`` (default ``production``) of ``<target_name>-eagle`` at ``version``."""
-    uri = uri or tracking_uri()
-    name = head_model_name(target_name)
-    mlflow_client = client(uri)
-    _get_version(mlflow_client, uri, name, version=str(version))  # one clear line for an unknown version
-    with _mlflow_errors(uri, f"setting alias {alias!r} of {name!r}"):
-        mlflow_client.set_registered_model_alias(name, alias, str(version))
-    logger.info("%s@%s -> version %s", name, alias, version)
+# ------------------------------------------------------------------------------------------- registry
 
 
-def head_version_info(name: str, alias: str | None = PRODUCTION, *, version: str | None = None, uri: str | None = None) -> dict[str, Any]:
-    """What ``models:/<name>@<alias>`` (or ``/<version>``) points at: version, run_id, source, tags, aliases.
-    ``name`` is the registered model name (``head_model_name(target)``)."""
-    uri = uri or tracking_uri()
-    mlflow_client = client(uri)
-    model_version = _get_version(mlflow_client, uri, name, alias=None if version is not None else alias, version=version)
-    with _mlflow_errors(uri, f"registered model {name!r}"):
-        model = mlflow_client.get_registered_model(name)
-    return {
-        "name": name,
-        "version": model_version.version,
-        "run_id": model_version.run_id,
-        "source": model_version.source,
-        "tags": dict(model_version.tags),
-        "aliases": sorted(a for a, v in model.aliases.items() if v == model_version.version),
-    }
+class Registry(_Connection):
+    """The naming of targets and heads in the MLflow model registry (registered models, versions, tags,
+    aliases), at one tracking URI (default ``tracking_uri()``).
 
+    ``runs`` is the ``Runs`` at the same URI with the same client: registering a target logs its card to a
+    run, and a head version's source is an artifact folder of its training run.
+    """
 
-def cache_dir() -> Path:
-    """``$EAGLE_CACHE_DIR/heads`` or ``~/.cache/eagle-platform/heads`` (the rule of ``eagle.target.cache_root``,
-    restated here because platform/ imports no torch)."""
-    root = os.environ.get("EAGLE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "eagle-platform")
-    return Path(root) / "heads"
+    def __init__(self, uri: str | None = None) -> None:
+        super().__init__(uri)
+        self.runs = Runs(self.uri, client=self._client)
+
+    # ---- targets -------------------------------------------------------------------------------------
+
+    def register_target(
+        self, target_name: str, revision: str, card: Mapping[str, Any] | None = None, run_id: str | None = None
+    ) -> str:
+        """Register ``target_name`` at ``revision`` as a version of model ``target_name``; returns the version.
+
+        Idempotent: a version tagged with the same ``target_revision`` is returned as is. Otherwise the card
+        (name, revision and whatever ``card`` holds: spec, architecture, ...) is logged as
+        ``target/target.json`` to ``run_id`` (or to a new, finished run in experiment ``eagle-targets``) and
+        that folder is registered.
+        """
+        name = target_model_name(target_name)
+        revision = str(revision)
+        existing = self.target_version(target_name, revision)
+        if existing is not None:
+            return existing
+        own_run = run_id is None
+        if own_run:
+            run_id = self.runs.start_run(
+                TARGETS_EXPERIMENT, f"{target_name}@{revision}", {"target_name": target_name, "target_revision": revision}
+            )
+        full_card = {**dict(card or {}), "name": target_name, "revision": revision}
+        try:
+            self.runs.log_dict(run_id, full_card, TARGET_CARD_PATH)
+            version = self._register_version(
+                name, run_id, TARGET_CARD_PATH.rsplit("/", 1)[0],
+                {"kind": "target", "target_name": target_name, "target_revision": revision},
+            )
+        except Exception:
+            if own_run:
+                with contextlib.suppress(Exception):
+                    self.runs.finish_run(run_id, "FAILED")
+            raise
+        if own_run:
+            self.runs.finish_run(run_id)
+        logger.info("registered target %s revision %s as version %s", target_name, revision, version)
+        return version
+
+    def target_version(self, target_name: str, revision: str) -> str | None:
+        """The version of model ``target_name`` registered for ``revision``, or None."""
+        name = target_model_name(target_name)
+        with self._errors(f"searching versions of {name!r}"):
+            versions = self.client.search_model_versions(
+                f"name = {_quote(name)} and tags.target_revision = {_quote(str(revision))}"
+            )
+        ready = sorted((v for v in versions if v.status == "READY"), key=lambda v: int(v.version))
+        return ready[0].version if ready else None
+
+    def target_card(self, target_name: str, version: str | None = None) -> dict[str, Any]:
+        """The card (``target/target.json``) of a target version (default: the newest)."""
+        name = target_model_name(target_name)
+        with self._errors(f"target {name!r}"):
+            if version is None:
+                versions = self.client.search_model_versions(f"name = {_quote(name)}")
+                if not versions:
+                    raise RegistryError(f"target {target_name!r} is not registered at {self.uri}")
+                version = max(versions, key=lambda v: int(v.version)).version
+            model_version = self._get_version(name, version=str(version))
+        with tempfile.TemporaryDirectory() as tmp, self._errors(f"downloading the card of {name} version {version}"):
+            import mlflow.artifacts
+
+            local = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"{model_version.source.rstrip('/')}/target.json", dst_path=tmp, tracking_uri=self.uri
+            )
+            return json.loads(Path(local).read_text())
+
+    # ---- heads ---------------------------------------------------------------------------------------
+
+    def register_head(
+        self,
+        run_id: str,
+        head_artifact_path: str,
+        target_name: str,
+        target_revision: str,
+        alias: str | None = CANDIDATE,
+        tags: Mapping[str, Any] | None = None,
+        *,
+        target_model_version: str | None = None,
+    ) -> str:
+        """Register the head directory logged at ``head_artifact_path`` of run ``run_id`` as a new version of
+        ``<target_name>-eagle``, tagged with its target, and point ``alias`` at it. Returns the version.
+
+        The head's files must already be logged (``config.json`` and ``model.safetensors`` under that path),
+        and the target must be registered at ``target_revision`` (``register_target``; its version is the
+        ``target_model_version`` tag). All or nothing: when a step fails, a registered model created by this
+        call is deleted again, and so is a version it created.
+        """
+        name = head_model_name(target_name)
+        target_revision = str(target_revision)
+        artifact_path = head_artifact_path.strip("/")
+        with self._errors(f"listing artifacts of run {run_id}"):
+            present = {Path(f.path).name for f in self.client.list_artifacts(run_id, artifact_path) if not f.is_dir}
+        missing = [f for f in HEAD_FILES if f not in present]
+        if missing:
+            raise RegistryError(f"run {run_id} has no head at {artifact_path!r}: missing {', '.join(missing)} (log the head before registering it)")
+        if target_model_version is None:
+            target_model_version = self.target_version(target_name, target_revision)
+            if target_model_version is None:
+                raise RegistryError(
+                    f"target {target_name!r} revision {target_revision!r} is not registered: register the target before its heads"
+                )
+        all_tags = {
+            **{str(k): str(v) for k, v in (tags or {}).items()},
+            "kind": "eagle-head",
+            "target_name": target_name,
+            "target_revision": target_revision,
+            "target_model_version": str(target_model_version),
+        }
+        version = self._register_version(name, run_id, artifact_path, all_tags, alias=alias)
+        logger.info("registered head %s version %s (run %s)%s", name, version, run_id, f" as @{alias}" if alias else "")
+        return version
+
+    def promote(self, target_name: str, version: str | int, alias: str = PRODUCTION) -> None:
+        """Point ``alias`` (default ``production``) of ``<target_name>-eagle`` at ``version``."""
+        name = head_model_name(target_name)
+        self._get_version(name, version=str(version))  # one clear line for an unknown version
+        with self._errors(f"setting alias {alias!r} of {name!r}"):
+            self.client.set_registered_model_alias(name, alias, str(version))
+        logger.info("%s@%s -> version %s", name, alias, version)
+
+    def head_version_info(self, name: str, alias: str | None = PRODUCTION, *, version: str | None = None) -> dict[str, Any]:
+        """What ``models:/<name>@<alias>`` (or ``/<version>``) points at: version, run_id, source, tags,
+        aliases. ``name`` is the registered model name (``head_model_name(target)``)."""
+        model_version = self._get_version(name, alias=None if version is not None else alias, version=version)
+        with self._errors(f"registered model {name!r}"):
+            model = self.client.get_registered_model(name)
+        return {
+            "name": name,
+            "version": model_version.version,
+            "run_id": model_version.run_id,
+            "source": model_version.source,
+            "tags": dict(model_version.tags),
+            "aliases": sorted(a for a, v in model.aliases.items() if v == model_version.version),
+        }
+
+    def resolve_head(self, models_uri: str) -> str:
+        """A local directory holding the head named by ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
+
+        Downloads into ``cache_dir()/<name>/<version>`` (atomically: a temporary folder renamed into place)
+        and reuses that folder while it holds the same run's files.
+        """
+        name, alias, version = parse_models_uri(models_uri)
+        model_version = self._get_version(name, alias=alias, version=version)
+        marker = {"name": name, "version": model_version.version, "run_id": model_version.run_id, "source": model_version.source}
+        dest = cache_dir() / name / str(model_version.version)
+        if _cached(dest, marker):
+            logger.debug("%s: cached at %s", models_uri, dest)
+            return str(dest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{model_version.version}-", dir=dest.parent))
+        try:
+            import mlflow.artifacts
+
+            with self._errors(f"downloading {name} version {model_version.version}"):
+                local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=str(tmp / "dl"), tracking_uri=self.uri))
+            missing = [f for f in HEAD_FILES if not (local / f).is_file()]
+            if missing:
+                raise RegistryError(f"{name} version {model_version.version} is not a head directory: missing {', '.join(missing)}")
+            (local / _CACHE_MARKER).write_text(json.dumps(marker))
+            if dest.exists() and not _cached(dest, marker):
+                shutil.rmtree(dest, ignore_errors=True)  # a stale copy (another server's version with this number)
+            try:
+                os.replace(local, dest)
+            except OSError:
+                if not _cached(dest, marker):  # else another process put the same files in place meanwhile
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        logger.info("%s -> version %s, downloaded to %s", models_uri, model_version.version, dest)
+        return str(dest)
+
+    # ---- versions, tags and aliases of any registered model -------------------------------------------
+
+    def versions(self, name: str) -> list[dict[str, Any]]:
+        """Every version of registered model ``name``, oldest first, as ``{"version", "tags", "aliases",
+        "run_id", "source", "created_ms"}`` (``aliases``: the sorted aliases naming that version); ``[]`` when
+        the model does not exist."""
+        model = self._registered_model(name)
+        if model is None:
+            return []
+        with self._errors(f"listing versions of {name!r}"):
+            found = _all_pages(lambda token: self.client.search_model_versions(f"name = {_quote(name)}", page_token=token))
+        return [
+            {
+                "version": v.version,
+                "tags": dict(v.tags),
+                "aliases": sorted(a for a, target in model.aliases.items() if target == v.version),
+                "run_id": v.run_id,
+                "source": v.source,
+                "created_ms": v.creation_timestamp,
+            }
+            for v in sorted(found, key=lambda v: int(v.version))
+        ]
+
+    def set_version_tags(self, name: str, version: str, tags: Mapping[str, Any]) -> None:
+        """Set tags (values as strings) on ``version`` of registered model ``name``."""
+        self._get_version(name, version=str(version))  # one clear line for an unknown model or version
+        with self._errors(f"tagging {name!r} version {version}"):
+            for key, value in tags.items():
+                self.client.set_model_version_tag(name, str(version), str(key), str(value))
+
+    def delete_version_tag(self, name: str, version: str, key: str) -> None:
+        """Remove tag ``key`` from ``version`` of registered model ``name`` (no error when it is not set)."""
+        self._get_version(name, version=str(version))
+        with self._errors(f"untagging {name!r} version {version}"):
+            self.client.delete_model_version_tag(name, str(version), str(key))
+
+    def alias_version(self, name: str, alias: str) -> str | None:
+        """The version ``alias`` of registered model ``name`` points at; None when the alias is unset or the
+        model does not exist."""
+        model = self._registered_model(name)
+        return None if model is None else model.aliases.get(alias)
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        """Remove ``alias`` from registered model ``name``; no error when the alias (or the model) is absent."""
+        if self._registered_model(name) is None:
+            return
+        with self._errors(f"deleting alias {alias!r} of {name!r}"):
+            self.client.delete_registered_model_alias(name, alias)
+
+    def models(self) -> list[dict[str, Any]]:
+        """Every registered model, by name: ``{"name", "tags", "aliases"}`` (``aliases``: alias -> version)."""
+        with self._errors("listing registered models"):
+            found = _all_pages(lambda token: self.client.search_registered_models(page_token=token))
+        return [
+            {"name": m.name, "tags": dict(m.tags), "aliases": dict(m.aliases)}
+            for m in sorted(found, key=lambda m: m.name)
+        ]
+
+    # ---- internals -----------------------------------------------------------------------------------
+
+    def _registered_model(self, name: str):
+        """The registered model ``name``, or None when there is none."""
+        with self._errors(f"registered model {name!r}"):
+            try:
+                return self.client.get_registered_model(name)
+            except MlflowException as err:
+                if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                    return None
+                raise
+
+    def _register_version(
+        self, name: str, run_id: str, artifact_path: str, tags: Mapping[str, str], *, alias: str | None = None
+    ) -> str:
+        """Create ``name`` if missing, a version whose source is the run's ``artifact_path``, and the alias;
+        undo what this call created when a step fails."""
+        mlflow_client = self.client
+        created_model = False
+        version = None
+        try:
+            with self._errors(f"registering {name!r}"):
+                run = mlflow_client.get_run(run_id)
+                try:
+                    mlflow_client.get_registered_model(name)
+                except MlflowException as err:
+                    if _error_code(err) != "RESOURCE_DOES_NOT_EXIST":
+                        raise
+                    try:
+                        mlflow_client.create_registered_model(name)
+                        created_model = True
+                    except MlflowException as exists:  # created meanwhile by another process
+                        if _error_code(exists) != "RESOURCE_ALREADY_EXISTS":
+                            raise
+                source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
+                with contextlib.redirect_stdout(sys.stderr):
+                    model_version = mlflow_client.create_model_version(name, source=source, run_id=run_id, tags=dict(tags))
+                version = model_version.version
+                if model_version.status != "READY":
+                    raise RegistryError(f"{name} version {version} is {model_version.status}: {model_version.status_message}")
+                if alias:
+                    mlflow_client.set_registered_model_alias(name, alias, version)
+            return version
+        except BaseException:
+            with contextlib.suppress(Exception):
+                if created_model:
+                    mlflow_client.delete_registered_model(name)
+                elif version is not None:
+                    mlflow_client.delete_model_version(name, version)
+            raise
+
+    def _get_version(self, name: str, *, alias: str | None = None, version: str | None = None):
+        model = self._registered_model(name)
+        if model is None:
+            raise RegistryError(f"no registered model {name!r} at {self.uri}")
+        mlflow_client = self.client
+        with self._errors(f"registered model {name!r}"):
+            if alias is not None:
+                if alias not in model.aliases:
+                    known = ", ".join(sorted(model.aliases)) or "none"
+                    raise RegistryError(f"registered model {name!r} has no alias {alias!r} (aliases: {known})")
+                return mlflow_client.get_model_version(name, model.aliases[alias])
+            if version is None:
+                raise RegistryError(f"model {name!r}: give an alias or a version")
+            if not str(version).isdigit():
+                raise RegistryError(f"model {name!r}: version must be a number, got {version!r}")
+            try:
+                return mlflow_client.get_model_version(name, str(version))
+            except MlflowException as err:
+                if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
+                    raise RegistryError(f"registered model {name!r} has no version {version}") from None
+                raise
 
 
 def resolve_head(uri: str, *, tracking: str | None = None) -> str:
-    """A local directory holding the head named by ``models:/<name>@<alias>`` or ``models:/<name>/<version>``.
-
-    Downloads into ``cache_dir()/<name>/<version>`` (atomically: a temporary folder renamed into place) and
-    reuses that folder while it holds the same run's files. This is the ``models`` resolver of the
-    ``eagle.head_resolvers`` entry-point group, so ``eaglectl --head models:/...`` works.
-    """
-    name, alias, version = parse_models_uri(uri)
-    tracking = tracking or tracking_uri()
-    mlflow_client = client(tracking)
-    model_version = _get_version(mlflow_client, tracking, name, alias=alias, version=version)
-    marker = {"name": name, "version": model_version.version, "run_id": model_version.run_id, "source": model_version.source}
-    dest = cache_dir() / name / str(model_version.version)
-    if _cached(dest, marker):
-        logger.debug("%s: cached at %s", uri, dest)
-        return str(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{model_version.version}-", dir=dest.parent))
-    try:
-        import mlflow.artifacts
-
-        with _mlflow_errors(tracking, f"downloading {name} version {model_version.version}"):
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_version.source, dst_path=str(tmp / "dl"), tracking_uri=tracking))
-        missing = [f for f in HEAD_FILES if not (local / f).is_file()]
-        if missing:
-            raise RegistryError(f"{name} version {model_version.version} is not a head directory: missing {', '.join(missing)}")
-        (local / _CACHE_MARKER).write_text(json.dumps(marker))
-        if dest.exists() and not _cached(dest, marker):
-            shutil.rmtree(dest, ignore_errors=True)  # a stale copy (another server's version with this number)
-        try:
-            os.replace(local, dest)
-        except OSError:
-            if not _cached(dest, marker):  # else another process put the same files in place meanwhile
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("%s -> version %s, downloaded to %s", uri, model_version.version, dest)
-    return str(dest)
+    """``Registry(tracking).resolve_head(uri)``: a local directory holding the head ``models:/<name>@<alias>``
+    or ``models:/<name>/<version>`` names. This is the ``models`` resolver of the ``eagle.head_resolvers``
+    entry-point group (pyproject.toml), so ``eaglectl --head models:/...`` works."""
+    return Registry(tracking).resolve_head(uri)
 
 
 # ------------------------------------------------------------------------------------------- internals
 
 
-def _register_version(
-    name: str, run_id: str, artifact_path: str, tags: Mapping[str, str], *, alias: str | None = None, uri: str
-) -> str:
-    """Create ``name`` if missing, a version whose source is the run's ``artifact_path``, and the alias;
-    undo what this call created when a step fails."""
-    mlflow_client = client(uri)
-    created_model = False
-    version = None
-    try:
-        with _mlflow_errors(uri, f"registering {name!r}"):
-            run = mlflow_client.get_run(run_id)
-            try:
-                mlflow_client.get_registered_model(name)
-            except MlflowException as err:
-                if _error_code(err) != "RESOURCE_DOES_NOT_EXIST":
-                    raise
-                try:
-                    mlflow_client.create_registered_model(name)
-                    created_model = True
-                except MlflowException as exists:  # created meanwhile by another process
-                    if _error_code(exists) != "RESOURCE_ALREADY_EXISTS":
-                        raise
-            source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
-            with contextlib.redirect_stdout(sys.stderr):
-                model_version = mlflow_client.create_model_version(name, source=source, run_id=run_id, tags=dict(tags))
-            version = model_version.version
-            if model_version.status != "READY":
-                raise RegistryError(f"{name} version {version} is {model_version.status}: {model_version.status_message}")
-            if alias:
-                mlflow_client.set_registered_model_alias(name, alias, version)
-        return version
-    except BaseException:
-        with contextlib.suppress(Exception):
-            if created_model:
-                mlflow_client.delete_registered_model(name)
-            elif version is not None:
-                mlflow_client.delete_model_version(name, version)
-        raise
-
-
-def _get_version(mlflow_client: MlflowClient, uri: str, name: str, *, alias: str | None = None, version: str | None = None):
-    with _mlflow_errors(uri, f"registered model {name!r}"):
-        try:
-            model = mlflow_client.get_registered_model(name)
-        except MlflowException as err:
-            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
-                raise RegistryError(f"no registered model {name!r} at {uri}") from None
-            raise
-        if alias is not None:
-            if alias not in model.aliases:
-                known = ", ".join(sorted(model.aliases)) or "none"
-                raise RegistryError(f"registered model {name!r} has no alias {alias!r} (aliases: {known})")
-            return mlflow_client.get_model_version(name, model.aliases[alias])
-        if version is None:
-            raise RegistryError(f"model {name!r}: give an alias or a version")
-        if not str(version).isdigit():
-            raise RegistryError(f"model {name!r}: version must be a number, got {version!r}")
-        try:
-            return mlflow_client.get_model_version(name, str(version))
-        except MlflowException as err:
-            if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
-                raise RegistryError(f"registered model {name!r} has no version {version}") from None
-            raise
+def _all_pages(search: Callable[[str | None], Any]) -> list:
+    """Every item of a paged MLflow search: ``search(page_token)`` returns a ``PagedList``."""
+    items: list = []
+    token = None
+    while True:
+        page = search(token)
+        items.extend(page)
+        token = page.token
+        if not token:
+            return items
 
 
 def _cached(dest: Path, marker: Mapping[str, Any]) -> bool:
@@ -580,11 +674,6 @@ def _cached(dest: Path, marker: Mapping[str, Any]) -> bool:
         return json.loads((dest / _CACHE_MARKER).read_text()) == dict(marker) and all((dest / f).is_file() for f in HEAD_FILES)
     except (OSError, ValueError):
         return False
-
-
-def _finish_quietly(run_id: str, status: str, uri: str) -> None:
-    with contextlib.suppress(Exception):
-        finish_run(run_id, status, uri=uri)
 
 
 def _quote(value: str) -> str:
@@ -604,29 +693,14 @@ __all__ = [
     "CANDIDATE",
     "DEFAULT_TRACKING_URI",
     "PRODUCTION",
+    "Registry",
     "RegistryError",
+    "Runs",
     "cache_dir",
-    "client",
-    "find_run",
-    "finish_run",
-    "get_or_create_experiment",
     "head_model_name",
     "head_uri",
-    "head_version_info",
-    "log_artifact",
-    "log_dict",
-    "log_metrics",
-    "log_params",
     "parse_models_uri",
-    "promote",
-    "register_head",
-    "register_target",
     "resolve_head",
-    "run_info",
-    "set_tags",
-    "start_run",
-    "target_card",
     "target_model_name",
-    "target_version",
     "tracking_uri",
 ]
