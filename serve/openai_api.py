@@ -382,13 +382,14 @@ class HandlePairClient(ResumingPairClient):
 
 class OpenAIIngress:
     """Routes OpenAI requests to pairs by ``model``. ``clients`` maps model id -> PairClient (or a Serve
-    ``DeploymentHandle``, wrapped here)."""
+    ``DeploymentHandle``, wrapped here with the ``failover`` policy). Each request looks its model up in
+    ``self.clients``, so a subclass may replace that map while serving (``serve.app.RoutedIngress``)."""
 
     def __init__(self, clients: dict[str, Any], *, retry_after_s: float = 1.0, request_timeout_s: float = 600.0,
                  failover: FailoverPolicy | dict[str, Any] | None = None) -> None:
-        policy = failover if isinstance(failover, FailoverPolicy) else FailoverPolicy(**(failover or {}))
+        self.failover = failover if isinstance(failover, FailoverPolicy) else FailoverPolicy(**(failover or {}))
         self.clients: dict[str, PairClient] = {
-            name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client, policy)
+            name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client, self.failover)
             for name, client in clients.items()
         }
         self.retry_after_s = retry_after_s

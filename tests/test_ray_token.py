@@ -1,4 +1,5 @@
-"""eagle_platform.ray_token: the path Ray reads, a token created 0600 when missing, an open one tightened."""
+"""eagle_platform.ray_token: the path Ray reads, a token created 0600 when missing, an open one tightened, the
+token a client sends."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle_platform.ray_token import TOKEN_ENV, TOKEN_PATH_ENV, ensure_token, token_path
+from eagle_platform.ray_token import TOKEN_ENV, TOKEN_PATH_ENV, ensure_token, read_token, token_path
 
 
 def _mode(path: Path) -> int:
@@ -65,3 +66,14 @@ def test_command_line_reports_in_one_line(tmp_path):
     env[TOKEN_PATH_ENV] = str(blocked / "token")  # its parent is a file: cannot be created
     out = subprocess.run([sys.executable, "-m", "eagle_platform.ray_token"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("ray token: error: cannot create")
+
+
+def test_read_token_prefers_the_environment_then_the_file_and_is_none_without_either(tmp_path, monkeypatch):
+    path = tmp_path / "token"
+    monkeypatch.setenv(TOKEN_PATH_ENV, str(path))
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    assert read_token() is None
+    path.write_text("ab" * 32 + "\n")
+    assert read_token() == "ab" * 32
+    monkeypatch.setenv(TOKEN_ENV, "cd" * 32)
+    assert read_token() == "cd" * 32

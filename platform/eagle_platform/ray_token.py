@@ -12,7 +12,8 @@ This module is the one place that decides the path and creates the token, so eve
   created when missing with 64 hex characters (as Ray's ``generate_new_authentication_token``), mode 0600
   in a folder created 0700; an existing file readable by group or others is tightened to 0600.
 
-``python -m eagle_platform.ray_token`` ensures the token and prints one line saying what it did.
+``python -m eagle_platform.ray_token`` ensures the token and prints one line saying what it did;
+``read_token`` is what HTTP clients of the dashboard send (``eagle_platform.rollout``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def token_path() -> Path:
     """The token file Ray's clients and servers read: ``$RAY_AUTH_TOKEN_PATH`` or ``~/.ray/auth_token``."""
     configured = os.environ.get(TOKEN_PATH_ENV)
     return Path(configured).expanduser() if configured else Path.home() / ".ray" / "auth_token"
+
+
+def read_token() -> str | None:
+    """The token a client sends (``Authorization: Bearer <token>``): ``$RAY_AUTH_TOKEN``, else the token
+    file's content; None when there is neither (a cluster without token authentication)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    try:
+        return token_path().read_text().strip() or None
+    except FileNotFoundError:
+        return None
 
 
 def ensure_token() -> TokenState:
