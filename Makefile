@@ -47,16 +47,24 @@ lock:
 	mv $(LOCK).tmp $(LOCK)
 	rm -rf .lock-venv
 
-# The main job end to end on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~15 minutes on 2 CPU
-# cores): start the local stack (Ray head + MLflow on 127.0.0.1; it creates the Ray token on a machine that
-# has none), run data -> features -> training -> evaluation through `ray job submit`, then generate with the
-# registered head. `make stack-down` stops the stack.
+# The whole platform on this machine, on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~25 minutes
+# on 2 CPU cores): the local stack (Ray head + MLflow on 127.0.0.1; it creates the Ray token on a machine that has
+# none) -> the platform service (infra/local/platform.sh, API on 127.0.0.1:8600) -> onboard smollm2-135m, whose
+# pipeline runs data -> features -> training -> gated evaluation as Ray jobs -> the pair rolled out to Ray Serve
+# on 127.0.0.1:8000 -> one chat request through the OpenAI API. `make down` stops everything it started.
+SERVE_COMPILE ?= on
+QUICKSTART_TARGET := smollm2-135m
 quickstart: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh up
-	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/pipeline.sh --preset $(PRESET)
-	eval "$$(infra/local/stack.sh env)" && $(VENV)/bin/eaglectl generate --target smollm2-135m \
-		--head models:/smollm2-135m-eagle@candidate --chat "Write a haiku about speculative decoding." \
-		--max-new-tokens 64 --dtype bfloat16
+	PATH="$(abspath $(VENV))/bin:$$PATH" SERVE_COMPILE=$(SERVE_COMPILE) infra/local/platform.sh up
+	$(VENV)/bin/eaglectl targets onboard $(QUICKSTART_TARGET) --source builtin:$(QUICKSTART_TARGET) --preset $(PRESET) --wait
+	$(VENV)/bin/eaglectl targets ask $(QUICKSTART_TARGET) "Write a haiku about speculative decoding."
+
+# Stops what `make quickstart` started: the service, Ray Serve's pairs, the stack.
+.PHONY: down
+down:
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/platform.sh down
+	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh down
 
 # The whole suite, slow end-to-end tests included (what CI runs).
 test: install

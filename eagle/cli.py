@@ -71,7 +71,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="eaglectl", description="EAGLE speculative decoding: generate and benchmark")
+    parser = _Parser(
+        prog="eaglectl", description="EAGLE speculative decoding: generate and benchmark",
+        epilog="with eagle-platform installed, also: eaglectl targets ... (onboard/list/status/retrain/retire/promote/rollback), eaglectl platform serve",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
@@ -289,9 +292,18 @@ def cmd_prompts(args) -> int:
 COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "prompts": cmd_prompts, "profile": cmd_profile}
 
 
+COMMANDS_GROUP = "eagle.commands"  # more eaglectl commands from other packages (eagle-platform: targets, platform)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name: ep for ep in entry_points(group=COMMANDS_GROUP)}
+    if argv and argv[0] in plugins:
+        return plugins[argv[0]].load()(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

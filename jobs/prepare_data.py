@@ -563,6 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace the assistant answers with the target's own (EAGLE-3 / SpecForge); default: the preset's",
     )
     parser.add_argument("--sharegpt", default=None, help="a ShareGPT JSON file; default: the packaged ShareGPT V3")
+    parser.add_argument(
+        "--claim-version", default=None,
+        help="tag this version of the target's registered model with the target's revision first (the platform "
+             "service registers a version per onboarding; jobs.train_head then finds it by revision)",
+    )
     return parser
 
 
@@ -576,6 +581,12 @@ def preset_from_args(args: argparse.Namespace) -> Preset:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.claim_version is not None:
+        from eagle_platform.registry import Registry
+
+        spec = args.target or get_preset(args.preset).target
+        _, target_name, revision = resolve_target(spec)
+        Registry().claim_target_version(target_name, args.claim_version, revision)
     prepare(preset_from_args(args), args.storage, sharegpt=args.sharegpt, progress=True)
     return 0
 

@@ -382,6 +382,33 @@ class Registry(_Connection):
         logger.info("registered target %s revision %s as version %s", target_name, revision, version)
         return version
 
+    def onboard_target(self, target_name: str, card: Mapping[str, Any], tags: Mapping[str, str]) -> str:
+        """A new version of model ``target_name`` for an onboarding, whose revision is not known yet: ``card``
+        is logged to a new, finished run in ``eagle-targets`` and registered with ``tags`` (the pipeline's
+        state, set in the same call) and ``kind=target``; ``claim_target_version`` adds the revision."""
+        name = target_model_name(target_name)
+        run_id = self.runs.start_run(TARGETS_EXPERIMENT, f"{target_name}@onboarding", {"target_name": target_name})
+        try:
+            self.runs.log_dict(run_id, {**dict(card), "name": target_name}, TARGET_CARD_PATH)
+            version = self._register_version(
+                name, run_id, TARGET_CARD_PATH.rsplit("/", 1)[0], {**dict(tags), "kind": "target", "target_name": target_name}
+            )
+        except Exception:
+            with contextlib.suppress(Exception):
+                self.runs.finish_run(run_id, "FAILED")
+            raise
+        self.runs.finish_run(run_id)
+        return version
+
+    def claim_target_version(self, target_name: str, version: str, revision: str) -> None:
+        """Tag ``version`` of model ``target_name`` with ``revision``, so that ``register_target`` (the training
+        job) finds it; refuses when another version already holds that revision."""
+        name = target_model_name(target_name)
+        holder = self.target_version(target_name, revision)
+        if holder is not None and holder != str(version):
+            raise RegistryError(f"{name} revision {revision} is registered already as version {holder}")
+        self.set_version_tags(name, str(version), {"kind": "target", "target_name": target_name, "target_revision": str(revision)})
+
     def target_version(self, target_name: str, revision: str) -> str | None:
         """The version of model ``target_name`` registered for ``revision``, or None."""
         name = target_model_name(target_name)
