@@ -177,8 +177,12 @@ mlflow_up() {
         fi
         mkdir -p "$STACK_DIR/artifacts"
         log "starting MLflow on $(mlflow_uri) (state in $STACK_DIR)"
-        # its own session / process group, so `down` can stop the server and its uvicorn worker together
-        MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid mlflow server \
+        # its own session / process group, so `down` can stop the server and its uvicorn worker together.
+        # Webhooks to http://127.0.0.1 (the platform service's model_version.created hook) need plain http and
+        # private IPs allowed: MLflow refuses both by default (mlflow/environment_variables.py, webhooks/ssrf.py).
+        # Local only: this server and the service bind to 127.0.0.1.
+        MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https \
+            setsid mlflow server \
             --backend-store-uri "sqlite:///$STACK_DIR/mlflow.db" \
             --artifacts-destination "$STACK_DIR/artifacts" \
             --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \

@@ -103,6 +103,7 @@ class Loop:
         self.last_pass_ms: int | None = None
         self.last_error: str | None = None
         self.passes = 0
+        self.webhooks = 0  # verified webhook deliveries
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
@@ -187,7 +188,7 @@ def create_app(reconciler: Reconciler, loop: Loop, *, token: str, webhook_secret
 
     @app.get("/health")
     def health() -> dict[str, Any]:
-        return {"ok": True, "passes": loop.passes, "last_pass_ms": loop.last_pass_ms, "last_error": loop.last_error,
+        return {"ok": True, "passes": loop.passes, "last_pass_ms": loop.last_pass_ms, "last_error": loop.last_error, "webhooks": loop.webhooks,
                 "serve_error": sync.last_error if sync is not None else None}
 
     @app.get("/v1/targets")
@@ -234,6 +235,7 @@ def create_app(reconciler: Reconciler, loop: Loop, *, token: str, webhook_secret
             return error(401, "missing or stale X-MLflow-Timestamp", "x-mlflow-timestamp")
         if not hmac.compare_digest(signature.encode(), webhook_signature(webhook_secret, delivery, stamp, payload).encode()):
             return error(401, "bad X-MLflow-Signature", "x-mlflow-signature")
+        loop.webhooks += 1
         loop.wake()  # the loop adopts the new version on its next pass (it reads MLflow, not the payload)
         return {"ok": True}
 
@@ -399,6 +401,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Loop, ServeSync | None]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         app, loop, sync = build(args)
     except (PipelineError, RegistryError) as err:

@@ -1,0 +1,283 @@
+"""The reconciler's own logic (eagle_platform.pipeline), fast: a real MLflow server, and in place of Ray's Jobs
+API a fake client that plays what each job leaves behind (the data stage's revision claim, the training run
+and its registered head, the evaluation's metrics). The real jobs on a real Ray: tests/test_platform.py.
+
+Covered here: a crash between writing a stage's state and submitting its job (the same submission id is
+submitted after the restart, never a second job), a duplicate submission refused by "Ray" and adopted, one
+pipeline per target and a global cap with a queue, the gate (tau below it, outputs that differ), rollback
+order, retire, sources outside the allowed roots, the webhook signature against MLflow's own signer.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+
+from eagle_platform.pipeline import EVAL_PREFIX, TRAINING_EXPERIMENT, PipelineError, Reconciler, Settings, submission_id
+from eagle_platform.registry import PRODUCTION, Registry
+
+
+class FakeJobs:
+    """``JobSubmissionClient``'s calls the reconciler makes. ``finish(sid)`` plays the job's side effects and
+    marks it SUCCEEDED; ``fail(sid)`` marks it FAILED with a one-line error in its log."""
+
+    def __init__(self, registry: Registry, scratch: Path, tau: float = 2.0, match: bool = True):
+        self.registry = registry
+        self.scratch = scratch
+        self.jobs: dict[str, dict] = {}
+        self.submitted: list[str] = []
+        self.tau = tau
+        self.match = match
+
+    def submit_job(self, *, entrypoint, submission_id, runtime_env, metadata):
+        self.submitted.append(submission_id)
+        if submission_id in self.jobs:
+            raise RuntimeError(f"Request failed with status code 400: Job with submission_id {submission_id} already exists.")
+        self.jobs[submission_id] = {"status": "RUNNING", "entrypoint": entrypoint.split(), "metadata": metadata, "log": ""}
+        return submission_id
+
+    def get_job_info(self, sid):
+        if sid not in self.jobs:
+            raise RuntimeError(f"Request failed with status code 404: Job {sid} does not exist.")
+        job = self.jobs[sid]
+        return types.SimpleNamespace(status=types.SimpleNamespace(value=job["status"]), message="")
+
+    def get_job_logs(self, sid):
+        return self.jobs[sid]["log"]
+
+    def stop_job(self, sid):
+        self.jobs[sid]["status"] = "STOPPED"
+
+    def running(self) -> list[str]:
+        return sorted(sid for sid, job in self.jobs.items() if job["status"] == "RUNNING")
+
+    def fail(self, sid: str, line: str = "jobs.featurize: error: the target has no weights") -> None:
+        self.jobs[sid].update(status="FAILED", log=f"some progress\n{line}\n")
+
+    def finish(self, sid: str) -> None:
+        job = self.jobs[sid]
+        args = job["entrypoint"]
+        value = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+        name = job["metadata"]["eagle_target"]
+        stage = job["metadata"]["eagle_stage"]
+        if stage == "preparing":
+            self.registry.claim_target_version(name, value("--claim-version"), f"rev-{name}")
+        elif stage == "training":
+            runs = self.registry.runs
+            run_id = runs.start_run(TRAINING_EXPERIMENT, value("--run-name"))
+            folder = self.scratch / run_id / "head"
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text("{}")
+            (folder / "model.safetensors").write_bytes(b"x")
+            runs.log_artifact(run_id, str(folder), "head")
+            runs.finish_run(run_id)
+            self.registry.register_head(run_id, "head", name, f"rev-{name}")
+        elif stage == "evaluating":
+            head_name, version = value("--head").removeprefix("models:/").split("/")
+            run_id = self.registry.head_version_info(head_name, None, version=version)["run_id"]
+            self.registry.runs.log_metrics(run_id, {f"{EVAL_PREFIX}/tau": self.tau, f"{EVAL_PREFIX}/outputs_match_plain": float(self.match),
+                                                    f"{EVAL_PREFIX}/speedup_vs_plain": 1.5})
+        job["status"] = "SUCCEEDED"
+
+
+@pytest.fixture()
+def world(mlflow_server, tmp_path, request):
+    """A reconciler on a fresh namespace of targets (names carry the test's name: the server is shared)."""
+    registry = Registry(mlflow_server)
+    jobs = FakeJobs(registry, tmp_path / "heads")
+    (tmp_path / "allowed" / "model").mkdir(parents=True)
+    model = tmp_path / "allowed" / "model"
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (model / "model.safetensors").write_bytes(b"weights")
+    settings = Settings(state_dir=tmp_path / "state", allowed_roots=(tmp_path / "allowed",), presets=("smoke", "quick"),
+                        preset_gates={"quick": 1.4}, default_preset="smoke", max_concurrent=1)
+    ready = []
+    reconciler = Reconciler(registry, jobs, settings, on_ready=ready.append)
+    prefix = request.node.name.replace("_", "-")[5:30].strip("-")
+    yield types.SimpleNamespace(registry=registry, jobs=jobs, reconciler=reconciler, model=model, prefix=prefix, ready=ready, tmp=tmp_path)
+    for name in reconciler.targets():  # the server is shared: leave no running pipeline to count against the cap
+        if name.startswith(prefix):
+            reconciler.retire(name)
+
+
+def run_pipeline(world, name: str, *, stop_before: str | None = None) -> None:
+    """Reconcile and finish each job in turn until the version is ready or failed (or ``stop_before`` runs)."""
+    for _ in range(12):
+        world.reconciler.reconcile_once()
+        status = world.reconciler.status(name)
+        if status["state"] in ("ready", "failed") or status["state"] == stop_before:
+            return
+        for sid in world.jobs.running():
+            if world.jobs.jobs[sid]["metadata"]["eagle_target"] == name:
+                world.jobs.finish(sid)
+    raise AssertionError(world.reconciler.status(name))
+
+
+def test_a_pipeline_runs_its_four_jobs_once_and_promotes(world):
+    name = f"{world.prefix}-a"
+    status = world.reconciler.onboard(name, str(world.model))
+    assert status["state"] == "registered" and status["version"] == "1" and status["tau_gate"] == 1.0
+    assert world.reconciler.onboard(name, str(world.model))["version"] == "1"  # the same source again: the same version
+    run_pipeline(world, name)
+    status = world.reconciler.status(name)
+    assert status["state"] == "ready" and status["tau"] == 2.0 and status["outputs_match_plain"] is True
+    stages = ("preparing", "featurizing", "training", "evaluating")
+    assert world.jobs.submitted == [submission_id(name, "1", stage, 1) for stage in stages]
+    assert status["production_head"] == status["head_version"] == "1"
+    assert world.ready == [name]
+    assert world.registry.alias_version(f"{name}-eagle", PRODUCTION) == "1"
+
+
+def test_a_crash_between_state_and_submission_submits_the_same_id_once(world):
+    name = f"{world.prefix}-b"
+    world.reconciler.onboard(name, str(world.model))
+    world.reconciler.reconcile_once()
+    first = submission_id(name, "1", "preparing", 1)
+    assert world.jobs.running() == [first]
+    # the state says "preparing" but the job never reached Ray (the service died in between)
+    del world.jobs.jobs[first]
+    restarted = Reconciler(world.registry, world.jobs, world.reconciler.settings)
+    restarted.reconcile_once()
+    assert world.jobs.running() == [first] and world.jobs.submitted == [first, first]
+    # and a service that submits an id Ray has already seen adopts the existing job
+    restarted._submit(name, restarted.versions(name)[-1], "preparing")
+    assert list(world.jobs.jobs) == [first]
+    world.jobs.finish(first)
+    restarted.reconcile_once()
+    assert restarted.status(name)["state"] == "featurizing"
+
+
+def test_one_pipeline_per_target_and_a_global_cap(world):
+    a, b = f"{world.prefix}-a", f"{world.prefix}-b"
+    other = world.tmp / "allowed" / "other"
+    other.mkdir()
+    for path in world.model.iterdir():
+        (other / path.name).write_bytes(path.read_bytes())
+    world.reconciler.onboard(a, str(world.model))
+    world.reconciler.onboard(b, str(world.model))
+    world.reconciler.reconcile_once()
+    assert [world.reconciler.status(n)["state"] for n in (a, b)] == ["preparing", "registered"]  # the cap is 1
+    world.reconciler.onboard(a, str(other))  # a second version of a waits for the first
+    world.reconciler.reconcile_once()
+    assert world.reconciler.versions(a)[-1]["pipeline"]["state"] == "registered"
+    for _ in range(6):
+        for sid in world.jobs.running():
+            world.jobs.finish(sid)
+        world.reconciler.reconcile_once()
+    states = {n: [v["pipeline"]["state"] for v in world.reconciler.versions(n)] for n in (a, b)}
+    assert states[a][0] == "ready"
+    assert len(world.jobs.running()) <= 1
+
+
+def test_the_gate_keeps_production_when_tau_is_low_or_outputs_differ(world):
+    name = f"{world.prefix}-g"
+    world.reconciler.onboard(name, str(world.model))
+    run_pipeline(world, name)
+    assert world.reconciler.status(name)["production_head"] == "1"
+    world.registry.set_version_tags(name, "1", {"eagle.tau_gate": "1.5"})
+    world.jobs.tau = 1.1
+    world.reconciler.retrain(name)
+    run_pipeline(world, name)
+    status = world.reconciler.status(name)
+    assert status["state"] == "failed" and status["reason"] == "gate: tau 1.100 < 1.50", status
+    assert (status["head_version"], status["production_head"]) == ("2", "1")
+    world.jobs.tau, world.jobs.match = 3.0, False
+    world.reconciler.retrain(name)
+    run_pipeline(world, name)
+    status = world.reconciler.status(name)
+    assert status["state"] == "failed" and status["reason"] == "gate: fp32 outputs differ from plain decoding"
+    assert (status["head_version"], status["production_head"]) == ("3", "1")
+    assert status["jobs"]["training"] == submission_id(name, "1", "training", 3)
+    assert world.ready == [name]  # only the first attempt rolled out
+
+
+def test_a_failed_job_fails_the_version_with_its_one_line_error(world):
+    name = f"{world.prefix}-f"
+    world.reconciler.onboard(name, str(world.model))
+    world.reconciler.reconcile_once()
+    world.jobs.finish(submission_id(name, "1", "preparing", 1))
+    world.reconciler.reconcile_once()
+    world.jobs.fail(submission_id(name, "1", "featurizing", 1))
+    world.reconciler.reconcile_once()
+    status = world.reconciler.status(name)
+    assert status["state"] == "failed"
+    assert status["reason"] == f"featurizing: job {submission_id(name, '1', 'featurizing', 1)} failed: jobs.featurize: error: the target has no weights"
+    assert status["production_head"] is None and world.ready == []
+
+
+def test_rollback_promote_and_retire(world):
+    name = f"{world.prefix}-r"
+    world.reconciler.onboard(name, str(world.model))
+    run_pipeline(world, name)
+    with pytest.raises(PipelineError) as err:
+        world.reconciler.rollback(name)
+    assert err.value.status == 409
+    world.reconciler.retrain(name)
+    run_pipeline(world, name)
+    assert world.reconciler.status(name)["production_head"] == "2"
+    assert world.reconciler.rollback(name)["production_head"] == "1"
+    with pytest.raises(PipelineError):
+        world.reconciler.rollback(name)  # 2 was rolled back, nothing before 1
+    assert world.reconciler.promote(name, "2")["production_head"] == "2"
+    with pytest.raises(PipelineError) as err:
+        world.reconciler.promote(name, "9")
+    assert err.value.status == 404 and err.value.field == "version"
+    world.reconciler.retrain(name)
+    world.reconciler.reconcile_once()
+    running = world.jobs.running()
+    assert running == [submission_id(name, "1", "preparing", 3)]
+    status = world.reconciler.retire(name)
+    assert status["retired"] and status["state"] == "failed" and status["reason"] == "retired"
+    assert world.jobs.jobs[running[0]]["status"] == "STOPPED"
+    world.reconciler.reconcile_once()
+    assert world.jobs.running() == []
+
+
+def test_bad_sources_and_names_are_refused(world, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    (outside / "model.safetensors").write_bytes(b"x")
+    link = world.tmp / "allowed" / "sneaky"
+    link.symlink_to(outside)
+    remote = world.tmp / "allowed" / "remote"
+    remote.mkdir()
+    (remote / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "x.Model"}}))
+    (remote / "model.safetensors").write_bytes(b"x")
+    pickled = world.tmp / "allowed" / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text("{}")
+    (pickled / "pytorch_model.bin").write_bytes(b"x")
+    cases = [
+        ("ok-name", str(outside), 403, "source"),
+        ("ok-name", str(link), 403, "source"),
+        ("ok-name", str(remote), 400, "source"),
+        ("ok-name", str(pickled), 400, "source"),
+        ("ok-name", "relative/dir", 400, "source"),
+        ("ok-name", "builtin:nope", 400, "source"),
+        ("other", "builtin:smollm2-135m", 400, "name"),
+        ("UPPER", str(world.model), 400, "name"),
+        ("../x", str(world.model), 400, "name"),
+        ("a-eagle", str(world.model), 400, "name"),
+    ]
+    for name, source, status, field in cases:
+        with pytest.raises(PipelineError) as err:
+            world.reconciler.onboard(name, source)
+        assert (err.value.status, err.value.field) == (status, field), (name, source, err.value)
+    with pytest.raises(PipelineError) as err:
+        world.reconciler.onboard("ok-name", str(world.model), preset="nope")
+    assert err.value.field == "preset"
+    assert world.jobs.submitted == []
+
+
+def test_the_webhook_signature_is_mlflows():
+    from mlflow.webhooks.delivery import _generate_hmac_signature
+
+    from eagle_platform.service import webhook_signature
+
+    payload = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "m", "version": "1"}})
+    assert webhook_signature("s3cret", "d-1", "1700000000", payload.encode()) == _generate_hmac_signature("s3cret", "d-1", "1700000000", payload)
+    assert webhook_signature("other", "d-1", "1700000000", payload.encode()) != _generate_hmac_signature("s3cret", "d-1", "1700000000", payload)
