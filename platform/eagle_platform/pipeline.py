@@ -414,7 +414,7 @@ class Reconciler:
 
         pipeline = version["pipeline"]
         module = dict(STAGES)[state]
-        args = ["python", "-m", module, "--preset", pipeline["preset"], "--target", self._target_spec(name, version),
+        args = ["python", "-m", module, "--preset", pipeline["preset"], "--target", self.target_spec(name, version),
                 "--dataset", f"{pipeline['preset']}-v{version['version']}"]
         if self.settings.storage:
             args += ["--storage", self.settings.storage]
@@ -475,7 +475,7 @@ class Reconciler:
             raise PipelineError(f"source {source!r} needs remote code (auto_map / *.py); trust_remote_code is never used", field="source")
         return str(real)
 
-    def _target_spec(self, name: str, version: dict[str, Any]) -> str:
+    def target_spec(self, name: str, version: dict[str, Any]) -> str:
         """A built-in name, or a link ``<state>/links/v<version>/<name>`` to the source (the jobs name a
         directory target after its folder)."""
         source = version["pipeline"]["source"]

@@ -243,8 +243,8 @@ def create_app(reconciler: Reconciler, loop: Loop, *, token: str, webhook_secret
 
 
 class ServeSync:
-    """Keeps Ray Serve serving exactly one pair per ready, not retired target (``eagle_platform.rollout``):
-    the pair ``<name>-eagle`` of the target's newest ready version and its ``@production`` head, which the
+    """Keeps Ray Serve serving exactly one pair per target with a production head (``eagle_platform.rollout``):
+    the pair ``<name>-eagle`` of the target version that head was trained for and ``@production``, which the
     pair's replicas follow (hot swap) when production moves. A thread compares what Serve runs with what
     should run every ``every_s`` seconds, and at once after ``request()``, and rolls out the difference: a new
     pair is added without restarting the others, a retired one removed."""
@@ -271,18 +271,24 @@ class ServeSync:
         self._wake.set()
 
     def wanted(self) -> list[dict[str, Any]]:
-        from eagle_platform.pipeline import READY
+        """One pair per target whose head ``@production`` exists and whose newest version is not retired, on
+        the target version that head was trained for (a retrain in progress keeps the pair as it is)."""
         from eagle_platform.registry import PRODUCTION, head_model_name
 
+        registry = self.reconciler.registry
         pairs = []
         for name in self.reconciler.targets():
             versions = self.reconciler.versions(name)
-            ready = [v for v in versions if v["pipeline"]["state"] == READY and not v["pipeline"]["retired"]]
-            if not ready or any(v["pipeline"]["retired"] for v in versions):
+            if not versions or versions[-1]["pipeline"]["retired"]:  # retired: until it is onboarded again
                 continue
-            if self.reconciler.registry.alias_version(head_model_name(name), PRODUCTION) is None:
+            production = registry.alias_version(head_model_name(name), PRODUCTION)
+            if production is None:
                 continue
-            pairs.append({"model": head_model_name(name), "target": self.reconciler._target_spec(name, ready[-1]),
+            trained_for = registry.head_version_info(head_model_name(name), None, version=production)["tags"].get("target_model_version")
+            version = next((v for v in versions if v["version"] == trained_for and v["pipeline"]["source"]), None)
+            if version is None:
+                continue
+            pairs.append({"model": head_model_name(name), "target": self.reconciler.target_spec(name, version),
                           "head": f"models:/{head_model_name(name)}@{PRODUCTION}", **self.pair_settings})
         return sorted(pairs, key=lambda pair: pair["model"])
 
