@@ -39,7 +39,7 @@ cmd_up() {
     fi
     # shellcheck disable=SC2086
     setsid "$PYTHON" -m eagle_platform.service --port "$PORT" --serve --serve-port "$SERVE_PORT" \
-        --serve-compile "$SERVE_COMPILE" ${PLATFORM_ARGS:-} >>"$LOG" 2>&1 &
+        --serve-compile "$SERVE_COMPILE" --webhook-url "http://127.0.0.1:$PORT/v1/webhooks/mlflow" ${PLATFORM_ARGS:-} >>"$LOG" 2>&1 &
     echo $! >"$PID_FILE"
     local waited=0
     until healthy; do
