@@ -582,11 +582,12 @@ def preset_from_args(args: argparse.Namespace) -> Preset:
 
 def _run(args: argparse.Namespace) -> int:
     if args.claim_version is not None:
+        from eagle_platform.pipeline import claim_revision
         from eagle_platform.registry import Registry
 
         spec = args.target or get_preset(args.preset).target
         _, target_name, revision = resolve_target(spec)
-        Registry().claim_target_version(target_name, args.claim_version, revision)
+        claim_revision(Registry(), target_name, args.claim_version, revision)
     prepare(preset_from_args(args), args.storage, sharegpt=args.sharegpt, progress=True)
     return 0
 

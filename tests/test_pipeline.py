@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle_platform.pipeline import EVAL_PREFIX, TRAINING_EXPERIMENT, PipelineError, Reconciler, Settings, submission_id
+from eagle_platform.pipeline import EVAL_PREFIX, TRAINING_EXPERIMENT, PipelineError, Reconciler, Settings, claim_revision, submission_id
+from eagle_platform.registry import RegistryError
 from eagle_platform.registry import PRODUCTION, Registry
 
 
@@ -64,7 +65,7 @@ class FakeJobs:
         name = job["metadata"]["eagle_target"]
         stage = job["metadata"]["eagle_stage"]
         if stage == "preparing":
-            self.registry.claim_target_version(name, value("--claim-version"), f"rev-{name}")
+            claim_revision(self.registry, name, value("--claim-version"), f"rev-{name}")
         elif stage == "training":
             runs = self.registry.runs
             run_id = runs.start_run(TRAINING_EXPERIMENT, value("--run-name"))
@@ -129,6 +130,24 @@ def test_a_pipeline_runs_its_four_jobs_once_and_promotes(world):
     assert status["production_head"] == status["head_version"] == "1"
     assert world.ready == [name]
     assert world.registry.alias_version(f"{name}-eagle", PRODUCTION) == "1"
+
+
+def test_a_revision_registered_outside_the_service_moves_to_the_onboarded_version(world):
+    name = f"{world.prefix}-x"
+    external = world.registry.register_target(name, f"rev-{name}", {"by": "infra/local/pipeline.sh"})
+    world.reconciler.reconcile_once()
+    assert world.reconciler.status(name)["state"] == "external"  # not the service's to train
+    world.reconciler.onboard(name, str(world.model))
+    run_pipeline(world, name)
+    status = world.reconciler.status(name)
+    assert status["state"] == "ready" and status["version"] == "2"
+    assert world.registry.target_version(name, f"rev-{name}") == "2"
+    old = world.registry.versions(name)[0]
+    assert old["version"] == external and old["tags"]["superseded_revision"] == f"rev-{name}"
+    # a queued or running pipeline keeps its revision
+    world.registry.set_version_tags(name, "2", {"eagle.state": "training"})
+    with pytest.raises(RegistryError):
+        claim_revision(world.registry, name, external, f"rev-{name}")
 
 
 def test_a_crash_between_state_and_submission_submits_the_same_id_once(world):

@@ -81,6 +81,23 @@ class PipelineError(ValueError):
         self.field = field
 
 
+def claim_revision(registry: Registry, name: str, version: str, revision: str) -> None:
+    """Make ``version`` the target's version for ``revision`` (the data stage, ``jobs.prepare_data
+    --claim-version``), so that the training job's ``register_target`` finds it. A version that held the
+    revision before (registered by a job outside the service, or an earlier onboarding that failed or
+    finished) gives it up and keeps it as ``superseded_revision``; one whose pipeline is queued or running
+    does not, and the claim fails."""
+    holder = registry.target_version(name, revision)
+    if holder is not None and holder != str(version):
+        tags = next(v["tags"] for v in registry.versions(name) if v["version"] == holder)
+        if tags.get(TAG + "state") in (REGISTERED, *STAGE_STATES) and tags.get(RETIRED_TAG) != "1":
+            raise RegistryError(f"{name} revision {revision} belongs to version {holder}, whose pipeline is {tags[TAG + 'state']}")
+        registry.set_version_tags(name, holder, {"superseded_revision": revision})
+        registry.delete_version_tag(name, holder, "target_revision")
+        logger.info("%s revision %s moves from version %s to %s", name, revision, holder, version)
+    registry.claim_target_version(name, version, revision)
+
+
 def submission_id(target: str, version: str, state: str, attempt: int) -> str:
     """The Ray submission id of a stage's job: one per (target, version, stage, attempt)."""
     return f"eagle-{target}-v{version}-{state}-a{attempt}"
