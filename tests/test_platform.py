@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -171,8 +170,7 @@ def test_bad_input_is_refused_and_the_service_stays_up(platform):
     assert cli.returncode == 2 and len(cli.stderr.strip().splitlines()) == 1 and "404" in cli.stderr
     assert httpx.get(platform.base + "/health", timeout=10).json()["ok"] is True
     assert platform.process.poll() is None
-    assert platform.status  # nothing was registered by the refused calls
-    assert httpx.get(platform.base + "/v1/targets", timeout=30).json()["targets"] == []
+    assert httpx.get(platform.base + "/v1/targets", timeout=30).json()["targets"] == []  # the refused calls registered nothing
 
 
 def test_concurrent_onboard_then_a_crash_during_training_then_served(platform):

@@ -49,7 +49,7 @@ def call(method: str, path: str, body: dict[str, Any] | None = None, *, timeout:
     token = read_token(default_state_dir())
     if method != "GET":
         if not token:
-            raise CliError(f"no platform token (set ${'EAGLE_PLATFORM_TOKEN'} or start the service once to create {default_state_dir() / 'token'})")
+            raise CliError(f"no platform token (set $EAGLE_PLATFORM_TOKEN, or start the service once: it creates {default_state_dir() / 'token'})")
         headers["Authorization"] = f"Bearer {token}"
     url = service_url() + path
     try:

@@ -67,11 +67,10 @@ def read_token() -> str | None:
         return None
 
 
-def ensure_token() -> TokenState:
-    """Make sure a token exists where Ray looks for it, readable by this user only."""
-    if os.environ.get(TOKEN_ENV):
-        return TokenState(None)
-    path = token_path()
+def ensure_secret_file(path: Path) -> TokenState:
+    """Make sure ``path`` holds a secret readable by this user only: created when missing (64 hex characters,
+    mode 0600, its folder 0700), tightened to 0600 when group or others could read it. The one place that
+    writes secret files: the Ray token here, the platform service's API token and webhook secret."""
     if path.is_file():
         mode = stat.S_IMODE(path.stat().st_mode)
         if mode & 0o077:
@@ -87,8 +86,15 @@ def ensure_token() -> TokenState:
         handle.write(secrets.token_hex(32))
         handle.flush()
         os.fsync(handle.fileno())
-    logger.info("created the Ray token %s (mode 0600)", path)
+    logger.info("created %s (mode 0600)", path)
     return TokenState(path, created=True)
+
+
+def ensure_token() -> TokenState:
+    """Make sure a token exists where Ray looks for it, readable by this user only."""
+    if os.environ.get(TOKEN_ENV):
+        return TokenState(None)
+    return ensure_secret_file(token_path())
 
 
 def main() -> int:

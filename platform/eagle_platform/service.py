@@ -30,7 +30,6 @@ import hashlib
 import hmac
 import logging
 import os
-import secrets
 import sys
 import threading
 import time
@@ -43,6 +42,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from eagle_platform.pipeline import PipelineError, Reconciler, Settings
+from eagle_platform.ray_token import ensure_secret_file
 from eagle_platform.registry import Registry, RegistryError
 
 logger = logging.getLogger("eagle_platform.service")
@@ -62,23 +62,16 @@ def default_state_dir() -> Path:
 
 
 def read_secret(state_dir: Path, filename: str, env: str, *, create: bool = False) -> str | None:
-    """A secret from ``$<env>``, else the file ``<state_dir>/<filename>`` (made with mode 0600 when missing
-    and ``create``): the API token (``token``) and the webhook secret (``webhook_secret``)."""
+    """A secret from ``$<env>``, else the file ``<state_dir>/<filename>``, made (mode 0600,
+    ``eagle_platform.ray_token.ensure_secret_file``) when missing and ``create``: the API token (``token``)
+    and the webhook secret (``webhook_secret``)."""
     if os.environ.get(env):
         return os.environ[env]
     path = state_dir / filename
-    if path.is_file():
-        return path.read_text().strip()
-    if not create:
+    if create:
+        ensure_secret_file(path)
+    elif not path.is_file():
         return None
-    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process made it in between: theirs
-        return path.read_text().strip()
-    with os.fdopen(fd, "w") as handle:
-        handle.write(secrets.token_hex(32))
-    logger.info("created %s (mode 0600)", path)
     return path.read_text().strip()
 
 
