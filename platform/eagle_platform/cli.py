@@ -98,9 +98,10 @@ def wait(name: str, poll_s: float = 3.0, timeout_s: float = 24 * 3600) -> dict[s
             if status["state"] in stages:
                 bar.n = stages.index(status["state"])
             progress = status.get("progress") or {}
-            bar.set_description_str(
-                f"{name}: {status['state']}, job {progress.get('job') or '-'} {progress.get('job_status') or ''}, {progress.get('elapsed_s') or 0:.0f} s in this stage"
-            )
+            where = f"{name}: {status['state']}"
+            if progress:
+                where += f", job {progress.get('job')} {progress.get('job_status') or ''}, {progress.get('elapsed_s') or 0:.0f} s in this stage"
+            bar.set_description_str(where)
             if status["state"] in TERMINAL:
                 bar.n = len(stages)
                 bar.refresh()
