@@ -300,3 +300,38 @@ def test_the_webhook_signature_is_mlflows():
     payload = json.dumps({"entity": "model_version", "action": "created", "data": {"name": "m", "version": "1"}})
     assert webhook_signature("s3cret", "d-1", "1700000000", payload.encode()) == _generate_hmac_signature("s3cret", "d-1", "1700000000", payload)
     assert webhook_signature("other", "d-1", "1700000000", payload.encode()) != _generate_hmac_signature("s3cret", "d-1", "1700000000", payload)
+
+
+def test_the_api_wants_its_token_and_mlflows_signature(world):
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from eagle_platform.service import Loop, create_app, webhook_signature
+
+    loop = Loop(world.reconciler, 3600)  # not started: the test drives the reconciler itself
+    client = TestClient(create_app(world.reconciler, loop, token="right", webhook_secret="hook-secret"))
+    body = {"name": f"{world.prefix}-api", "source": str(world.model)}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic right"}):
+        response = client.post("/v1/targets", json=body, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["field"] == "authorization"
+    response = client.post("/v1/targets", json={**body, "bogus": 1}, headers={"Authorization": "Bearer right"})
+    assert response.status_code == 422 and response.json()["error"]["field"] == "bogus"
+    response = client.post("/v1/targets", json=body, headers={"Authorization": "Bearer right"})
+    assert response.status_code == 202 and response.json()["state"] == "registered"
+    assert client.get(f"/v1/targets/{body['name']}").json()["version"] == "1"
+    assert client.get("/v1/targets/Bad!").status_code == 400
+
+    payload = json.dumps({"entity": "model_version", "action": "created", "data": {}}).encode()
+    stamp = str(int(time.time()))
+    good = {"X-MLflow-Delivery-Id": "d1", "X-MLflow-Timestamp": stamp, "X-MLflow-Signature": webhook_signature("hook-secret", "d1", stamp, payload)}
+    assert client.post("/v1/webhooks/mlflow", content=payload, headers=good).status_code == 200
+    assert loop.webhooks == 1
+    forged = {**good, "X-MLflow-Signature": webhook_signature("guess", "d1", stamp, payload)}
+    assert client.post("/v1/webhooks/mlflow", content=payload, headers=forged).status_code == 401
+    old = str(int(time.time()) - 3600)
+    stale = {**good, "X-MLflow-Timestamp": old, "X-MLflow-Signature": webhook_signature("hook-secret", "d1", old, payload)}
+    assert client.post("/v1/webhooks/mlflow", content=payload, headers=stale).status_code == 401
+    assert client.post("/v1/webhooks/mlflow", content=payload + b" ", headers=good).status_code == 401  # body changed
+    assert loop.webhooks == 1
+    assert client.get("/health").json()["webhooks"] == 1

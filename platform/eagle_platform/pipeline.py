@@ -169,10 +169,7 @@ class Reconciler:
 
     def status(self, name: str) -> dict[str, Any]:
         """What ``eaglectl targets status NAME --json`` prints (docs: platform/README.md "Status")."""
-        check_name(name)
-        versions = self.versions(name)
-        if not versions:
-            raise PipelineError(f"unknown target {name!r}", status=404, field="name")
+        versions = self._known(name)
         current = versions[-1]
         pipeline = current["pipeline"]
         production = self.registry.alias_version(head_model_name(name), PRODUCTION)
@@ -510,25 +507,25 @@ class Reconciler:
         import mlflow.artifacts
 
         dest = self.settings.state_dir / "sources" / name / f"v{version['version']}"
-        if not (dest / "config.json").is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            try:
-                mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(dest), tracking_uri=self.registry.uri)
-            except Exception as err:  # noqa: BLE001 - any download failure is the version's failure
-                raise PipelineError(f"cannot download {version['source']}: {err}") from None
-            nested = [p for p in dest.iterdir() if p.is_dir()]
-            if not (dest / "config.json").is_file() and len(nested) == 1 and (nested[0] / "config.json").is_file():
-                return nested[0]
-        return dest
+        dest.mkdir(parents=True, exist_ok=True)
+        try:  # into dest/<the artifact folder's name>
+            path = mlflow.artifacts.download_artifacts(artifact_uri=version["source"], dst_path=str(dest), tracking_uri=self.registry.uri)
+        except Exception as err:  # noqa: BLE001 - any download failure is the version's failure
+            raise PipelineError(f"cannot download {version['source']}: {err}") from None
+        return Path(path)
 
     # ---------------------------------------------------------------------------------- helpers
 
-    def _current(self, name: str) -> dict[str, Any]:
+    def _known(self, name: str) -> list[dict[str, Any]]:
+        """The versions of target ``name``, oldest first; 400 for a bad name, 404 when there is none."""
         check_name(name)
         versions = self.versions(name)
         if not versions:
             raise PipelineError(f"unknown target {name!r}", status=404, field="name")
-        return versions[-1]
+        return versions
+
+    def _current(self, name: str) -> dict[str, Any]:
+        return self._known(name)[-1]
 
     def _reload(self, name: str, number: str) -> dict[str, Any]:
         return next(v for v in self.versions(name) if v["version"] == number)

@@ -87,19 +87,23 @@ def webhook_signature(secret: str, delivery_id: str, timestamp: str, payload: by
     return "v1," + base64.b64encode(hmac.new(secret.encode(), signed, hashlib.sha256).digest()).decode()
 
 
-class Loop:
-    """The reconcile thread: a pass every ``poll_s`` seconds, or sooner when ``wake()`` is called."""
+class Periodic:
+    """A daemon thread that calls ``tick()`` every ``every_s`` seconds, or at once after ``wake()``; a failed
+    tick is logged and kept in ``last_error``, and the thread carries on."""
 
-    def __init__(self, reconciler: Reconciler, poll_s: float):
-        self.reconciler = reconciler
-        self.poll_s = poll_s
-        self.last_pass_ms: int | None = None
+    name = "periodic"
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
         self.last_error: str | None = None
+        self.last_pass_ms: int | None = None
         self.passes = 0
-        self.webhooks = 0  # verified webhook deliveries
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def tick(self) -> None:
+        raise NotImplementedError
 
     def start(self) -> None:
         self._thread.start()
@@ -116,14 +120,28 @@ class Loop:
         while not self._stop.is_set():
             self._wake.clear()
             try:
-                self.reconciler.reconcile_once()
+                self.tick()
                 self.last_error = None
-            except Exception as err:  # noqa: BLE001 - the loop outlives a failed pass (MLflow or Ray down)
+            except Exception as err:  # noqa: BLE001 - the thread outlives a failed round (MLflow, Ray or Serve down)
                 self.last_error = f"{type(err).__name__}: {err}"[:500]
-                logger.exception("reconcile pass failed")
+                logger.warning("%s failed: %s", self.name, self.last_error)
             self.last_pass_ms = int(time.time() * 1000)
             self.passes += 1
-            self._wake.wait(self.poll_s)
+            self._wake.wait(self.every_s)
+
+
+class Loop(Periodic):
+    """The reconcile thread: a pass every ``poll_s`` seconds, or sooner when ``wake()`` is called."""
+
+    name = "reconcile"
+
+    def __init__(self, reconciler: Reconciler, poll_s: float):
+        super().__init__(poll_s)
+        self.reconciler = reconciler
+        self.webhooks = 0  # verified webhook deliveries
+
+    def tick(self) -> None:
+        self.reconciler.reconcile_once()
 
 
 class Onboard(BaseModel):
@@ -235,33 +253,25 @@ def create_app(reconciler: Reconciler, loop: Loop, *, token: str, webhook_secret
     return app
 
 
-class ServeSync:
+class ServeSync(Periodic):
     """Keeps Ray Serve serving exactly one pair per target with a production head (``eagle_platform.rollout``):
     the pair ``<name>-eagle`` of the target version that head was trained for and ``@production``, which the
     pair's replicas follow (hot swap) when production moves. A thread compares what Serve runs with what
     should run every ``every_s`` seconds, and at once after ``request()``, and rolls out the difference: a new
     pair is added without restarting the others, a retired one removed."""
 
+    name = "serve-sync"
+
     def __init__(self, reconciler: Reconciler, dashboard_url: str, *, port: int, pair: dict[str, Any], every_s: float = 30.0):
+        super().__init__(every_s)
         self.reconciler = reconciler
         self.dashboard_url = dashboard_url
         self.port = port
         self.pair_settings = pair
-        self.every_s = every_s
-        self.last_error: str | None = None
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="serve-sync", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
 
     def request(self, name: str | None = None) -> None:
-        self._wake.set()
+        """The reconciler's ``on_ready``: roll out now rather than at the next round."""
+        self.wake()
 
     def wanted(self) -> list[dict[str, Any]]:
         """One pair per target whose head ``@production`` exists and whose newest version is not retired, on
@@ -295,16 +305,7 @@ class ServeSync:
         logger.info("serve: rolling out %s (serving %s)", [p["model"] for p in wanted], [p["model"] for p in deployed])
         roll_out(wanted, self.dashboard_url, tracking_uri=self.reconciler.registry.uri, port=self.port)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.clear()
-            try:
-                self.sync_once()
-                self.last_error = None
-            except Exception as err:  # noqa: BLE001 - retried on the next round
-                self.last_error = f"{type(err).__name__}: {err}"[:500]
-                logger.warning("serve rollout failed: %s", self.last_error)
-            self._wake.wait(self.every_s)
+    tick = sync_once
 
 
 def register_webhook(registry: Registry, url: str, secret: str) -> bool:
