@@ -47,7 +47,7 @@ lock:
 	mv $(LOCK).tmp $(LOCK)
 	rm -rf .lock-venv
 
-# The whole platform on this machine, on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~25 minutes
+# The whole platform on this machine, on the embedded defaults (SmolLM2 + ShareGPT, preset `quick`, ~30 minutes
 # on 2 CPU cores): the local stack (Ray head + MLflow on 127.0.0.1; it creates the Ray token on a machine that has
 # none) -> the platform service (infra/local/platform.sh, API on 127.0.0.1:8600) -> onboard smollm2-135m, whose
 # pipeline runs data -> features -> training -> gated evaluation as Ray jobs -> the pair rolled out to Ray Serve
