@@ -32,6 +32,7 @@ from eagle.verify import ProcessedRows, SamplingConfig, greedy_verify, processed
 logger = logging.getLogger(__name__)
 
 DEFAULT_TREE: TreeSpec = DynamicTree()
+MAX_SEED = 2**64  # torch.Generator.manual_seed takes unsigned 64-bit seeds
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class GenerationConfig:
         max_new_tokens: upper bound on generated tokens (> 0).
         sampling: temperature / top-p / top-k of the target's distribution (temperature 0 = greedy).
         stop_token_ids: tokens that end generation (included in the output); None = the target's EOS ids.
-        seed: seeds the explicit ``torch.Generator`` used for sampling and acceptance tests.
+        seed: seeds the explicit ``torch.Generator`` used for sampling and acceptance tests; in [0, 2**64).
     """
 
     max_new_tokens: int = 128
@@ -53,6 +54,8 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise EagleError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < MAX_SEED):
+            raise EagleError(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
 
 
 @dataclass

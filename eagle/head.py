@@ -339,9 +339,32 @@ def check_revision(head: str, trained_revision: str | None, target: "Target | tu
     raise HeadMismatchError(f"head {head} was trained for target revision {trained_revision}, not {name} revision {revision}")
 
 
+# the head's one decoder layer may be at most this many times wider than a target layer (heads from other
+# trainers widen the MLP); past it, a config.json is refused before any tensor is allocated
+MAX_WIDTH_RATIO = 4
+_WIDTH_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 def check_compatible(config: HeadConfig, target: "Target") -> None:
-    """Raise ``HeadMismatchError`` when a head cannot run on ``target``."""
+    """Raise ``HeadMismatchError`` when a head cannot run on ``target``: its shapes differ from the target's,
+    or its sizes are out of bounds (checked before the head is built, so a ``config.json`` with a huge
+    ``intermediate_size`` fails here instead of allocating it)."""
     problems = []
+    layer = config.layer_config if isinstance(config.layer_config, dict) else {}
+    for key in _WIDTH_FIELDS:
+        value, ours = layer.get(key), getattr(target.config, key, None)
+        if value is None:
+            continue
+        if type(value) is not int or value < 1:
+            problems.append(f"layer_config.{key} must be a positive integer, got {value!r}")
+        elif isinstance(ours, int) and value > MAX_WIDTH_RATIO * ours:
+            problems.append(f"layer_config.{key} = {value} is over {MAX_WIDTH_RATIO}x the target's {ours}")
+    if layer.get("num_hidden_layers", 1) != 1:
+        problems.append(f"layer_config.num_hidden_layers must be 1, got {layer.get('num_hidden_layers')!r}")
+    if layer.get("hidden_size", config.hidden_size) != config.hidden_size:
+        problems.append(f"layer_config.hidden_size {layer.get('hidden_size')!r} != hidden_size {config.hidden_size}")
+    if type(config.draft_vocab_size) is not int or not 1 <= config.draft_vocab_size <= config.vocab_size:
+        problems.append(f"draft_vocab_size must be in [1, vocab_size], got {config.draft_vocab_size!r}")
     if config.hidden_size != target.hidden_size:
         problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size}")
     if config.vocab_size != target.vocab_size:

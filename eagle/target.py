@@ -280,35 +280,52 @@ def materialize_builtin(name: str) -> tuple[Path, str]:
     spec = BUILTIN_TARGETS[name]
     gguf_path = _builtin_gguf_path(spec)
     directory = cache_root() / "targets" / name
-    marker = directory / "eagle_target.json"
     stat = gguf_path.stat()
-    if marker.is_file():
+
+    def converted() -> str | None:  # the revision of a complete conversion at ``directory``, else None
+        marker = directory / "eagle_target.json"
+        if not marker.is_file():
+            return None
         meta = json.loads(marker.read_text())
-        if meta.get("format") == _CONVERSION_FORMAT and meta.get("gguf_size") == stat.st_size:
-            return directory, meta["revision"]
+        ok = meta.get("format") == _CONVERSION_FORMAT and meta.get("gguf_size") == stat.st_size
+        return meta["revision"] if ok else None
+
+    if (revision := converted()) is not None:
+        return directory, revision
+    import shutil
+    import tempfile
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s from %s (one time, cached in %s)", name, gguf_path, directory)
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    # save_pretrained refuses a model "quantized with gguf"; the weights are already dequantized.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    tmp = directory.with_name(directory.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    revision = "gguf-sha256:" + _file_sha256(gguf_path)[:16]
-    (tmp / "eagle_target.json").write_text(
-        json.dumps({"format": _CONVERSION_FORMAT, "gguf_size": stat.st_size, "revision": revision, "name": name})
-    )
-    if directory.exists():
-        import shutil
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a folder of its own per conversion: two cold starts at once each write theirs; the first to publish wins
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=directory.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        # save_pretrained refuses a model "quantized with gguf"; the weights are already dequantized.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        revision = "gguf-sha256:" + _file_sha256(gguf_path)[:16]
+        (tmp / "eagle_target.json").write_text(  # the marker, written last: a folder without it is incomplete
+            json.dumps({"format": _CONVERSION_FORMAT, "gguf_size": stat.st_size, "revision": revision, "name": name})
+        )
+        import fcntl
 
-        shutil.rmtree(directory)
-    tmp.rename(directory)
+        with open(directory.parent / f".{name}.lock", "w") as lock:  # publishing is serialised; converting is not
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if converted() is not None:  # another process finished first: keep its folder
+                return directory, revision
+            if directory.exists():
+                shutil.rmtree(directory)  # a stale or incomplete conversion
+            tmp.rename(directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", name, time.perf_counter() - started)
     return directory, revision
 

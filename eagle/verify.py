@@ -36,12 +36,15 @@ from eagle.errors import EagleError
 from eagle.tree import DraftTree
 
 
+MIN_TEMPERATURE = 1e-3  # a positive temperature below this is refused: 1/T would overflow fp32 logits into inf/NaN
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the target's next-token distribution is processed.
 
     Attributes:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it (at least ``MIN_TEMPERATURE``).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
     """
@@ -51,9 +54,9 @@ class SamplingConfig:
     top_k: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise EagleError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not isinstance(self.temperature, (int, float)) or not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf")):
+            raise EagleError(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, inf), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise EagleError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise EagleError(f"top_k must be >= 0, got {self.top_k!r}")

@@ -66,27 +66,39 @@ def _head_config(head_dir: str):
     return HeadConfig(**json.loads(config_path.read_text()))
 
 
+def resolve_once(reg, head_spec: str, target: tuple[str, str]) -> tuple[str, dict[str, Any] | None]:
+    """The head to bench as (local directory, registry version info or None for a directory).
+
+    A ``models:/...@alias`` spec is resolved once: the download, the bench and the promotion all use that
+    exact version, even if the alias moves meanwhile (a head that was never benched is never promoted).
+    The version's ``target_revision`` tag is checked against ``target`` before the download."""
+    from eagle.cli import resolve_head_spec
+    from eagle.head import check_revision
+    from eagle_platform.registry import parse_models_uri
+
+    if not head_spec.startswith("models:/"):
+        return resolve_head_spec(head_spec), None
+    model_name, alias, version = parse_models_uri(head_spec)
+    version_info = reg.head_version_info(model_name, alias, version=version)
+    check_revision(head_spec, version_info["tags"].get("target_revision"), target)
+    return reg.resolve_head(f"models:/{model_name}/{version_info['version']}"), version_info
+
+
 def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from eagle.cli import resolve_head_spec
     from eagle.head import check_revision
     from eagle.target import resolve_target
-    from eagle_platform.registry import Registry, head_uri, parse_models_uri
+    from eagle_platform.registry import Registry, head_uri
 
     reg = Registry()
     preset = get_preset(args.preset)
     target_spec = args.target or preset.target
     _, target_name, revision = resolve_target(target_spec)  # once: a built-in target's revision hashes its GGUF
     head_spec = args.head or head_uri(target_name, "candidate")
-    version_info = None
-    if head_spec.startswith("models:/"):
-        model_name, alias, version = parse_models_uri(head_spec)
-        version_info = reg.head_version_info(model_name, alias, version=version)
-        check_revision(head_spec, version_info["tags"].get("target_revision"), (target_name, revision))  # before the download
-    elif args.promote_tau is not None:
+    if not head_spec.startswith("models:/") and args.promote_tau is not None:
         raise EagleError("--promote-tau needs a registered head (--head models:/<target>-eagle@<alias>)")
-    head_dir = resolve_head_spec(head_spec)
+    head_dir, version_info = resolve_once(reg, head_spec, (target_name, revision))
     config = _head_config(head_dir)
     check_revision(head_dir, config.target_revision, (target_name, revision))  # before any worker starts
     run_id = args.run_id or (version_info or {}).get("run_id")

@@ -29,8 +29,10 @@ TOKEN_COUNTS = "token_counts.safetensors"
 
 
 def dataset_storage(storage_uri: str, target_name: str, dataset: str) -> Storage:
-    """The root of one dataset of one target."""
-    return Storage(storage_uri).child(target_name, dataset)
+    """The root of one dataset of one target (both names checked: they become path components)."""
+    from eagle_platform.registry import check_name
+
+    return Storage(storage_uri).child(check_name(target_name, "target name"), check_name(dataset, "dataset name"))
 
 
 def shard_name(index: int) -> str:

@@ -15,6 +15,7 @@ safe to read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -95,11 +96,7 @@ class Storage:
         target = self.path(rel)
         try:
             if self.protocol == "file":
-                os.makedirs(os.path.dirname(target), exist_ok=True)
-                tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-                with open(tmp, "wb") as handle:
-                    handle.write(data)
-                os.replace(tmp, target)
+                _durable_write(target, data)
             else:
                 self.fs.pipe_file(target, data)
         except (OSError, PermissionError) as err:
@@ -168,3 +165,28 @@ def unpack_records(packed: dict[str, torch.Tensor]) -> list[dict[str, torch.Tens
     offsets = packed["offsets"].tolist()
     keys = [k for k in packed if k != "offsets"]
     return [{k: packed[k][a:b] for k in keys} for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _durable_write(target: str, data: bytes) -> None:
+    """Write ``data`` to a local ``target`` so that a crash leaves either the old file or the whole new one:
+    a unique temporary name, fsynced, renamed into place, then the folder fsynced (the rename itself is
+    durable). Every shard goes through here before its stage's manifest does, so a manifest on disk never
+    names a file the disk lost. The temporary file is removed when the write fails (a full disk)."""
+    folder = os.path.dirname(target)
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -52,6 +52,7 @@ HEAD_DIR = "head"
 STATE_FILE = "train_state.json"
 DS_TAG = "deepspeed"
 EXPERIMENT = "eagle-heads"
+RETRY_S = 120.0  # how long an MLflow call waits out a tracking server that is down before the job fails
 
 
 def default_results_dir() -> str:
@@ -171,6 +172,9 @@ def _train_loop(config: dict[str, Any]) -> None:
     step, elapsed, resumed_from = 0, 0.0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
+        from jobs.checkpoints import install
+
+        install(engine)  # resume never unpickles code from the results folder (jobs/checkpoints.py)
         with checkpoint.as_directory() as directory:
             engine.load_checkpoint(directory, tag=DS_TAG)
             state = json.loads((Path(directory) / STATE_FILE).read_text())
@@ -266,8 +270,11 @@ class _Tracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.runs is None:
             return
+        from eagle_platform.registry import with_retries
+
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-        self.runs.log_metrics(self.run_id, clean, step=step)
+        # an MLflow restart while training is waited out (bounded) instead of failing the worker
+        with_retries(lambda: self.runs.log_metrics(self.run_id, clean, step=step), within_s=RETRY_S, what="logging metrics")
 
 
 # ---- the driver -------------------------------------------------------------------------------------------
@@ -312,11 +319,11 @@ def train(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from eagle_platform.registry import Registry
+    from eagle_platform.registry import Registry, check_name, with_retries
 
     target_spec = target_spec or preset.target
     storage, name, revision, manifests = _validate(preset, storage_uri, target_spec)
-    run_name = run_name or f"{name}-{preset.dataset}-{preset.name}"
+    run_name = check_name(run_name or f"{name}-{preset.dataset}-{preset.name}", "run name")  # a folder of the results
     reg = Registry(tracking_uri)  # default: $MLFLOW_TRACKING_URI or the local stack
     runs = reg.runs
     runs.check_server()  # fails in one line when no server answers
@@ -377,12 +384,34 @@ def train(
         if register:
             target_version = reg.register_target(name, revision, {"name": name, "spec": target_spec, "revision": revision}, run_id)
             version = reg.register_head(run_id, HEAD_DIR, name, revision, alias=alias, target_model_version=target_version)
-        runs.finish_run(run_id, "FINISHED")
-    except BaseException:
-        runs.finish_run(run_id, "FAILED")
-        raise
+        with_retries(lambda: runs.finish_run(run_id, "FINISHED"), within_s=RETRY_S, what="finishing the run")
+    except BaseException as err:
+        raised = failed_run(runs, run_id, err)
+        if raised is err:
+            raise
+        raise raised from err
     logger.info("run %s finished: head %s registered as %s-eagle version %s", run_name, local_head, name, version)
     return {"run_id": run_id, "run_name": run_name, "head_dir": str(local_head), "version": version, "metrics": dict(result.metrics or {})}
+
+
+class RunFailedError(RuntimeError):
+    """The job failed after it started (exit code 1 with a traceback, never the bad-input exit code 2)."""
+
+
+def failed_run(runs, run_id: str, err: BaseException, *, retry_s: float = RETRY_S) -> BaseException:
+    """Mark the run FAILED (retried through an MLflow restart, bounded) and return the error to raise: ``err``
+    itself, or, for a registry error raised mid-run (the server went away), a ``RunFailedError`` saying so,
+    so the job does not exit 2 as if its input were bad. A failure to mark the run is logged, never raised
+    over ``err``."""
+    from eagle_platform.registry import RegistryError, with_retries
+
+    try:
+        with_retries(lambda: runs.finish_run(run_id, "FAILED"), within_s=retry_s, what="marking the run FAILED")
+    except RegistryError as mark_err:
+        logger.error("run %s failed (%s: %s) and could not be marked FAILED: %s", run_id, type(err).__name__, err, mark_err)
+    if isinstance(err, RegistryError):
+        return RunFailedError(f"the registry failed during run {run_id}: {err}")
+    return err
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from serve.names import deployment_name
-from serve.openai_api import HandlePairClient, OpenAIIngress
+from serve.openai_api import HandlePairClient, Limits, OpenAIIngress
 from serve.pair import PairServer, PairSpec
 
 
@@ -82,11 +82,15 @@ class IngressArgs(BaseModel):
     # failover (serve.openai_api.FailoverPolicy): a request whose replica dies resumes on another one
     failover_attempts: int = Field(3, ge=0)  # resumes per request (0: no failover)
     failover_deadline_s: float = Field(120.0, gt=0)  # from the first death, for a resumed attempt to start
+    # limits (serve.openai_api.Limits)
+    max_body_bytes: int = Field(Limits.max_body_bytes, ge=1024)
+    stream_idle_s: float = Field(Limits.stream_idle_s, gt=0)
 
     def ingress_kwargs(self) -> dict[str, Any]:
         """``OpenAIIngress``'s keyword arguments."""
         failover = {"attempts": self.failover_attempts, "deadline_s": self.failover_deadline_s}
-        return {"retry_after_s": self.retry_after_s, "request_timeout_s": self.request_timeout_s, "failover": failover}
+        limits = {"max_body_bytes": self.max_body_bytes, "stream_idle_s": self.stream_idle_s}
+        return {"retry_after_s": self.retry_after_s, "request_timeout_s": self.request_timeout_s, "failover": failover, "limits": limits}
 
 
 class AppArgs(IngressArgs):

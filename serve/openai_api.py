@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, AsyncIterator, Callable, Literal, Protocol
 
@@ -33,11 +34,41 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from eagle.generate import MAX_SEED
+from eagle.verify import MIN_TEMPERATURE
 from serve.pair import PairServer, RequestError
 
 logger = logging.getLogger(__name__)
 
 Number = Annotated[float, Field(strict=True)]  # JSON numbers only: "0.5" (a string) is rejected
+
+MAX_STOP = 4  # stop sequences per request (OpenAI's own limit)
+MAX_STOP_CHARS = 256  # characters per stop sequence (each is searched for in every streamed delta)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the ingress accepts before any replica sees a request (docs/security.md lists them).
+
+    Attributes:
+        max_body_bytes: request body size; larger bodies get 413 without being read to the end.
+        stream_idle_s: a stream that sends no event for this long is closed with an error event (longer than
+            ``FailoverPolicy.deadline_s``, during which a resumed request waits for a replacement replica).
+    """
+
+    max_body_bytes: int = 1 << 20
+    stream_idle_s: float = 180.0
+
+
+# OpenAI parameters this server does not implement, with the values that mean "not asked for": a request that
+# sets one to anything else gets 400 unsupported_parameter instead of a 200 that silently ignores it
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,), "web_search_options": (None,),
+}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -53,18 +84,29 @@ class _Sampling(BaseModel):
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=0, lt=MAX_SEED)
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     n: StrictInt = Field(1, ge=1, le=1)  # one choice per request
 
+    def check(self) -> None:
+        """The rules pydantic's field types do not express (raises ``RequestError``, a 400)."""
+        if 0 < self.temperature < MIN_TEMPERATURE:  # the engine's rule (eagle.verify), checked here before routing
+            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}", param="temperature")
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise RequestError(f"unsupported parameter: {name!r} is not implemented by this server",
+                                   param=name, code="unsupported_parameter")
+        stops = self.stops()
+        if len(stops) > MAX_STOP:
+            raise RequestError(f"stop: at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise RequestError(f"stop: each sequence is at most {MAX_STOP_CHARS} characters", param="stop")
+
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if len(stops) > 4:
-            raise RequestError("stop: at most 4 sequences", param="stop")
-        return stops
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -156,6 +198,8 @@ def as_api_error(err: BaseException, *, retry_after_s: float) -> APIError:
     cause = getattr(err, "cause", None) or err
     if isinstance(cause, APIError):
         return cause
+    if isinstance(cause, StreamIdleError):
+        return APIError(504, f"{cause}; the stream is closed", type="server_error", code="stream_timeout")
     if isinstance(cause, RequestError) or isinstance(err, RequestError):
         source = cause if isinstance(cause, RequestError) else err
         return APIError(400, source.message, param=source.param, code=source.code)
@@ -173,9 +217,9 @@ def as_api_error(err: BaseException, *, retry_after_s: float) -> APIError:
                 "RequestCancelledError"}:
         return APIError(503, f"the model's replica is unavailable ({name}); retry", type="server_error",
                         code="unavailable", retry_after_s=retry_after_s)
-    logger.exception("unexpected error serving a request", exc_info=err)
-    message = str(cause).splitlines()[0] if str(cause) else name
-    return APIError(500, f"internal error: {message}", type="server_error", code="internal_error")
+    incident = uuid.uuid4().hex[:12]
+    logger.error("unexpected error serving a request (incident %s)", incident, exc_info=err)
+    return APIError(500, f"internal error (incident {incident} in the server log)", type="server_error", code="internal_error")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -372,7 +416,20 @@ class HandlePairClient(ResumingPairClient):
         return await self.handle.info.remote()
 
     async def health(self) -> None:
-        await self.handle.check_health.remote()
+        """The pair deployment's health as Serve's controller sees it (its own periodic ``check_health`` calls
+        on every replica): no call reaches a replica here, so ``/health`` never queues behind generation
+        requests on a busy pair."""
+        from ray import serve
+
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.handle.app_name)
+        deployment = app.deployments.get(self.handle.deployment_name) if app else None
+        if deployment is None:
+            raise RuntimeError(f"the deployment {self.handle.deployment_name!r} of {self.handle.app_name!r} is not running")
+        running = sum(count for state, count in deployment.replica_states.items() if state == "RUNNING")
+        if not running:  # a deployment replacing a dead replica is healthy while another one runs
+            raise RuntimeError(f"the deployment {self.handle.deployment_name!r} has no running replica "
+                               f"({deployment.status}: {deployment.message})")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -386,8 +443,9 @@ class OpenAIIngress:
     ``self.clients``, so a subclass may replace that map while serving (``serve.app.RoutedIngress``)."""
 
     def __init__(self, clients: dict[str, Any], *, retry_after_s: float = 1.0, request_timeout_s: float = 600.0,
-                 failover: FailoverPolicy | dict[str, Any] | None = None) -> None:
+                 failover: FailoverPolicy | dict[str, Any] | None = None, limits: Limits | dict[str, Any] | None = None) -> None:
         self.failover = failover if isinstance(failover, FailoverPolicy) else FailoverPolicy(**(failover or {}))
+        self.limits = limits if isinstance(limits, Limits) else Limits(**(limits or {}))
         self.clients: dict[str, PairClient] = {
             name: client if hasattr(client, "health") and not _is_handle(client) else HandlePairClient(client, self.failover)
             for name, client in clients.items()
@@ -410,7 +468,7 @@ class OpenAIIngress:
             try:
                 info = await asyncio.wait_for(client.info(), timeout=10)
             except Exception as err:  # noqa: BLE001 - listing must not fail because one pair is down
-                info = {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
+                info = {"error": f"unavailable ({type(err).__name__})"}
             return {"id": name, "object": "model", "created": self.created, "owned_by": "eagle-platform", "eagle": info}
 
         return {"object": "list", "data": list(await asyncio.gather(*(one(n, c) for n, c in self.clients.items())))}
@@ -420,8 +478,9 @@ class OpenAIIngress:
             try:
                 await asyncio.wait_for(client.health(), timeout=10)
                 return "ok"
-            except Exception as err:  # noqa: BLE001 - reported per pair
-                return f"unhealthy: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            except Exception as err:  # noqa: BLE001 - reported per pair; the details are in this server's log
+                logger.warning("health: a pair is unhealthy: %s", err)
+                return f"unhealthy ({type(err).__name__})"
 
         states = dict(zip(self.clients, await asyncio.gather(*(one(c) for c in self.clients.values()))))
         healthy = all(state == "ok" for state in states.values())
@@ -449,8 +508,28 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
+async def _bounded(events: AsyncIterator[dict[str, Any]], idle_s: float) -> AsyncIterator[dict[str, Any]]:
+    """``events``, raising ``StreamIdleError`` when none arrives within ``idle_s`` seconds (the pair's call is
+    cancelled then)."""
+    while True:
+        try:
+            event = await asyncio.wait_for(events.__anext__(), idle_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            await _close(events)
+            raise StreamIdleError(idle_s) from None
+        yield event
+
+
+class StreamIdleError(Exception):
+    def __init__(self, idle_s: float) -> None:
+        super().__init__(f"the model sent nothing for {idle_s:g} s")
+        self.idle_s = idle_s
+
+
 async def _sse_stream(kind: str, model: str, first: dict[str, Any], events: AsyncIterator[dict[str, Any]],
-                      include_usage: bool, retry_after_s: float) -> AsyncIterator[bytes]:
+                      include_usage: bool, retry_after_s: float, idle_s: float) -> AsyncIterator[bytes]:
     created = int(time.time())
     chunk_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + first["id"]
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -466,7 +545,7 @@ async def _sse_stream(kind: str, model: str, first: dict[str, Any], events: Asyn
     if kind == "chat":
         yield _sse(chunk(None, None, role=True))
     try:
-        async for event in events:
+        async for event in _bounded(events, idle_s):
             if event["type"] == "delta":
                 if event["text"]:  # a delta whose text is held back carries only token ids: nothing to send
                     yield _sse(chunk(event["text"], None))
@@ -478,6 +557,53 @@ async def _sse_stream(kind: str, model: str, first: dict[str, Any], events: Asyn
         api_error = as_api_error(err, retry_after_s=retry_after_s)
         yield _sse(api_error.body())
     yield _sse("[DONE]")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (by its Content-Length when it sends one,
+    else while it is read: a larger body is never held whole)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is over {limit} bytes", code="request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def decode_json(raw: bytes, request: Request) -> dict[str, Any]:
+    """A JSON object from a body sent as ``application/json`` (415 otherwise: a cross-site form post cannot
+    send that type without a CORS preflight); 400 for invalid JSON, NaN/Infinity, nesting past Python's
+    recursion limit, and strings with a lone UTF-16 surrogate (they cannot be encoded as text)."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, "the request body must be sent as Content-Type: application/json", code="unsupported_media_type")
+    try:
+        value = json.loads(raw, parse_constant=_no_constant)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\\ud800") cannot be encoded
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "the request body contains a lone UTF-16 surrogate, which is not text", code="invalid_json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return value
+
+
+def schema_checked(schema: type[_Sampling], raw: dict[str, Any]) -> _Sampling:
+    try:
+        return schema.model_validate(raw)
+    except ValidationError as err:
+        raise _validation_error(err) from None
 
 
 def make_api(ingress: OpenAIIngress):
@@ -500,16 +626,12 @@ def make_api(ingress: OpenAIIngress):
         return error_response(APIError(400, str(err.errors()[0].get("msg", "invalid request"))))
 
     async def parse(request: Request, schema: type[_Sampling]) -> _Sampling:
+        body = schema_checked(schema, decode_json(await read_body(request, ingress.limits.max_body_bytes), request))
         try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError, ValueError):
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(raw, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        try:
-            return schema.model_validate(raw)
-        except ValidationError as err:
-            raise _validation_error(err) from None
+            body.check()
+        except RequestError as err:
+            raise APIError(400, err.message, param=err.param, code=err.code) from None
+        return body
 
     async def complete(kind: str, request: Request, schema: type[_Sampling]):
         body = await parse(request, schema)
@@ -528,7 +650,7 @@ def make_api(ingress: OpenAIIngress):
                 raise as_api_error(err, retry_after_s=ingress.retry_after_s) from None
             replica = {"X-Eagle-Replica": first["replica"]} if first.get("replica") else {}  # the replica that started it
             return StreamingResponse(
-                _sse_stream(kind, body.model, first, events, body.include_usage(), ingress.retry_after_s),
+                _sse_stream(kind, body.model, first, events, body.include_usage(), ingress.retry_after_s, ingress.limits.stream_idle_s),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", **replica},
             )
         try:

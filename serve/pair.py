@@ -95,6 +95,7 @@ class PairSpec(BaseModel):
         max_context: prompt + completion tokens per request (the replica's KV cache holds
             ``max_batch_size`` rows of this many slots); capped by the target's context window.
         speculate: the batch's speculation policy: "auto" (measured costs), "always" or "never".
+        stuck_after_s: ``check_health`` fails when requests wait and no decode step finished for this long.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -112,6 +113,7 @@ class PairSpec(BaseModel):
     max_batch_size: int = Field(8, ge=1)
     max_context: int = Field(2048, ge=2)
     speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
+    stuck_after_s: float = Field(120.0, gt=0)
 
 
 @dataclass(frozen=True)
@@ -280,6 +282,8 @@ class PairServer:
         self._work = threading.Condition()
         self._closed = False
         self._loop_error: str | None = None
+        self._progress_at = time.monotonic()  # the decode loop's last step, or when it woke up to work
+        self._max_prompt_bytes = _max_prompt_bytes(self.target.tokenizer, self._loaded.engine.max_context)
         self._decode_thread = threading.Thread(target=self._decode_loop, name=f"decode-{self.spec.model}", daemon=True)
         self._decode_thread.start()
         self._stop_watch = threading.Event()
@@ -404,8 +408,10 @@ class PairServer:
                     # a swapped-out engine stays until its last request finished
                     self._engines = [e for i, e in enumerate(self._engines) if i == 0 or not e.idle]
                     engines = [engine for engine in self._engines if not engine.idle]
+                    self._progress_at = time.monotonic()
                 for engine in engines:
                     engine.step()
+                    self._progress_at = time.monotonic()
                 self._deliver()
         except BaseException as err:  # noqa: BLE001 - the replica is unusable: health checks report it
             self._loop_error = f"{type(err).__name__}: {err}"
@@ -453,6 +459,12 @@ class PairServer:
             raise RuntimeError(f"pair {self.spec.model}: decode loop died: {self._loop_error}")
         if self._closed or not self._decode_thread.is_alive():
             raise RuntimeError(f"pair {self.spec.model}: decode loop is not running")
+        with self._work:
+            waiting = not all(engine.idle for engine in self._engines)
+            quiet_s = time.monotonic() - self._progress_at
+        if waiting and quiet_s > self.spec.stuck_after_s:
+            raise RuntimeError(f"pair {self.spec.model}: decode loop is stuck: no step finished in {quiet_s:.0f} s "
+                               f"while requests wait")
 
     def info(self) -> dict[str, Any]:
         loaded = self._loaded
@@ -487,20 +499,29 @@ class PairServer:
         if request.messages is not None:
             if not getattr(tokenizer, "chat_template", None):
                 raise RequestError(f"model {self.spec.model!r} has no chat template: use /v1/completions", param="messages")
+            self._check_prompt_bytes(sum(len(content) for _, content in request.messages), "messages")
             messages = [{"role": role, "content": content} for role, content in request.messages]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             if not request.prompt:
                 raise RequestError("the prompt is empty", param="prompt")
+            self._check_prompt_bytes(len(request.prompt), "prompt")
             ids = tokenizer.encode(request.prompt)
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         return ids
 
+    def _check_prompt_bytes(self, chars: int, param: str) -> None:
+        """Refuse, without tokenising it, a prompt that cannot fit the context whatever its tokens (a
+        character is at least one UTF-8 byte; ``_max_prompt_bytes`` bounds what ``max_context`` tokens spell)."""
+        if chars > self._max_prompt_bytes:
+            raise RequestError(f"the prompt ({chars} characters) cannot fit this model's context window of "
+                               f"{self._loaded.engine.max_context} tokens", param=param, code="context_length_exceeded")
+
     def _config(self, request: Request, prompt_len: int, engine: BatchDecoder) -> GenerationConfig:
         """The request's settings; the context rule is the engine's (``BatchDecoder.room`` / ``check``)."""
-        max_tokens = request.max_tokens if request.max_tokens is not None else self.spec.default_max_tokens
+        max_tokens = request.max_tokens if request.max_tokens is not None else min(self.spec.default_max_tokens, self.spec.max_tokens)
         if max_tokens > self.spec.max_tokens:
             raise RequestError(f"max_tokens must be at most {self.spec.max_tokens}, got {max_tokens}", param="max_tokens")
         room = engine.room(prompt_len)
@@ -561,7 +582,8 @@ class PairServer:
             if self._closed:
                 raise RuntimeError(f"pair {self.spec.model}: decode loop is not running")
             loaded = self._loaded  # this request keeps this head even if a swap happens meanwhile
-            prompt_ids = self._prompt_ids(request)
+            # tokenised off the event loop: a long prompt must not stall the other requests' streams
+            prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
             config = self._config(request, len(prompt_ids), loaded.engine)
             stop_ids = loaded.decoder._stop_ids(config)
             resume = self._resume(request, config, stop_ids)
@@ -688,6 +710,15 @@ def _replica_id() -> str | None:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # noqa: BLE001 - any failure means "not in a replica"
         return None
+
+
+def _max_prompt_bytes(tokenizer, max_context: int) -> int:
+    """The most UTF-8 bytes a prompt of ``max_context`` tokens can spell: the longest token's spelling times the
+    context, times 4 for normalisers that shrink text (NFKC maps a 3-byte full-width letter to one byte). A
+    token's spelling in the vocabulary is never shorter in bytes than the text it stands for (byte-level BPE
+    spells a byte with a 1-2 byte character, SentencePiece a byte as ``<0xNN>``)."""
+    longest = max((len(token.encode("utf-8", "replace")) for token in tokenizer.get_vocab()), default=1)
+    return 4 * max(1, longest) * max_context
 
 
 def request_from_dict(raw: dict[str, Any]) -> Request:

@@ -40,6 +40,31 @@ def test_head_for_another_target_is_refused(tmp_path):
         EagleHead.from_pretrained(tmp_path, small)
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"layer_config": {"intermediate_size": 10**9}}, "intermediate_size = 1000000000 is over"),
+    ({"layer_config": {"num_attention_heads": 0}}, "num_attention_heads must be a positive integer"),
+    ({"layer_config": {"num_hidden_layers": 64}}, "num_hidden_layers must be 1"),
+    ({"draft_vocab_size": 10**9}, "draft_vocab_size must be in"),
+])
+def test_a_head_config_out_of_bounds_is_refused_before_anything_is_allocated(tmp_path, edit, message):
+    """A hot swap reads a registry head's config.json: sizes past the bounds fail in check_compatible, before
+    ``EagleHead(config)`` would allocate them (a 10^9-wide MLP would be ~256 GB here)."""
+    import json
+    import resource
+
+    target = tiny_target("llama", vocab_size=64)
+    EagleHead.for_target(target).save_pretrained(tmp_path / "head")
+    path = tmp_path / "head" / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in edit.items():
+        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+    path.write_text(json.dumps(config))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(HeadMismatchError, match=message):
+        EagleHead.from_pretrained(tmp_path / "head", target)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing large was allocated
+
+
 def test_head_round_trips_through_safetensors(tmp_path):
     target = tiny_target("qwen2")
     head = EagleHead.for_target(target, seed=4, draft_token_ids=torch.arange(10, 50))
@@ -61,7 +86,9 @@ def test_head_round_trips_through_safetensors(tmp_path):
     [
         (lambda: GenerationConfig(max_new_tokens=0), "max_new_tokens must be a positive integer"),
         (lambda: GenerationConfig(max_new_tokens=-3), "max_new_tokens must be a positive integer"),
-        (lambda: SamplingConfig(temperature=-0.1), "temperature must be >= 0"),
+        (lambda: SamplingConfig(temperature=-0.1), "temperature must be 0 \\(greedy\\) or in"),
+        (lambda: SamplingConfig(temperature=1e-300), "temperature must be 0 \\(greedy\\) or in"),
+        (lambda: GenerationConfig(seed=2**64), "seed must be an integer in"),
         (lambda: SamplingConfig(temperature=1.0, top_p=0.0), "top_p must be in \\(0, 1\\]"),
         (lambda: SamplingConfig(temperature=1.0, top_p=1.5), "top_p must be in \\(0, 1\\]"),
         (lambda: SamplingConfig(top_k=-1), "top_k must be >= 0"),
@@ -88,7 +115,7 @@ def test_bad_requests_raise_clear_errors():
     [
         (["generate", "--target", "gpt-9", "--prompt", "hi"], "unknown target 'gpt-9'"),
         (["generate", "--prompt", "hi", "--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
-        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "--prompt", "hi", "--temperature", "-1"], "temperature must be 0 (greedy)"),
         (["generate", "--prompt", "hi", "--dtype", "int8"], "invalid choice"),
         (["generate"], "one of the arguments --prompt --chat is required"),
         (["bench", "--out", "x.json", "--baselines", "vllm"], "unknown baseline"),

@@ -78,3 +78,28 @@ def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothi
     except Exception:
         after = None
     assert after == before
+
+
+def test_the_alias_is_resolved_once_so_the_benched_version_is_the_promoted_one(smollm2, mlflow_server, tmp_path, monkeypatch):
+    """The alias moves to another version right after evaluate resolved it (a concurrent registration): the
+    head downloaded for the bench is still the resolved version's, the version the promotion would move."""
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    from jobs.evaluate import resolve_once
+
+    _, first = _register_random_head(smollm2, tmp_path / "one", mlflow_server)
+    _, second = _register_random_head(smollm2, tmp_path / "two", mlflow_server)
+    registry = Registry(mlflow_server)
+    client = MlflowClient(mlflow_server)
+    client.set_registered_model_alias("smollm2-135m-eagle", "candidate", first)
+    real = registry.head_version_info
+
+    def then_moved(*args, **kwargs):
+        info = real(*args, **kwargs)
+        client.set_registered_model_alias("smollm2-135m-eagle", "candidate", second)  # moved while evaluate runs
+        return info
+
+    monkeypatch.setattr(registry, "head_version_info", then_moved)
+    head_dir, info = resolve_once(registry, "models:/smollm2-135m-eagle@candidate", (smollm2.name, smollm2.revision))
+    assert info["version"] == first
+    assert Path(head_dir).name == str(first)  # the cache folder of the resolved version, not of the alias's new one
+    assert client.get_model_version_by_alias("smollm2-135m-eagle", "candidate").version == second

@@ -315,3 +315,56 @@ def test_eaglectl_generates_with_a_registered_head(reg, smollm2, tmp_path, capsy
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
     assert 1 <= record["completion_tokens"] <= 4 and record["tau"] >= 1.0
+
+
+def test_a_tracking_server_restart_is_waited_out_and_a_dead_one_is_not_bad_input(tmp_path, monkeypatch):
+    """Issue 13: an MLflow restart while a job logs is retried (bounded) instead of failing the worker; a run
+    whose registry died mid-run fails as a job failure (``RunFailedError``, exit 1), never as bad input, and
+    marking it FAILED never hides its own error."""
+    import threading
+
+    from mlflow_server import free_port, start_mlflow_server, stop_mlflow_server
+
+    from eagle_platform.registry import RegistryUnavailableError, with_retries
+    from jobs.train_head import RunFailedError, failed_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # our retry loop, not MLflow's, is under test
+    port = free_port()
+    uri, process = start_mlflow_server(tmp_path / "mlflow", port=port)
+    runs = Runs(uri)
+    run_id = runs.start_run("restart", "restart")
+    stop_mlflow_server(process)
+    registry._REACHABLE.clear()
+    with pytest.raises(RegistryUnavailableError):
+        runs.log_metrics(run_id, {"loss": 1.0}, step=1)
+
+    retried = threading.Event()
+    outcome: dict = {}
+
+    def log() -> None:
+        try:
+            with_retries(lambda: runs.log_metrics(run_id, {"loss": 2.0}, step=2), within_s=120,
+                         on_retry=lambda err, wait: retried.set())
+            outcome["ok"] = True
+        except Exception as err:  # noqa: BLE001 - reported to the test thread
+            outcome["error"] = err
+
+    thread = threading.Thread(target=log)
+    thread.start()
+    assert retried.wait(60), "with_retries never retried"
+    _, process = start_mlflow_server(tmp_path / "mlflow", port=port)  # the same server, back on its port
+    try:
+        thread.join(180)
+        assert outcome == {"ok": True}, outcome
+        assert runs.run_info(run_id)["metrics"]["loss"] == 2.0
+    finally:
+        stop_mlflow_server(process)
+    registry._REACHABLE.clear()
+    original = RegistryUnavailableError("logging metrics: the server went away")
+    raised = failed_run(runs, run_id, original, retry_s=0.5)  # the server is down: the run cannot be marked
+    assert isinstance(raised, RunFailedError) and not isinstance(raised, ValueError)
+    assert "went away" in str(raised)
+    bug = ZeroDivisionError("the job's own error")
+    assert failed_run(runs, run_id, bug, retry_s=0.5) is bug
+    with pytest.raises(RegistryError):  # outside a run, an error the user can act on is still one line
+        with_retries(lambda: (_ for _ in ()).throw(RegistryError("unknown model")), within_s=5)

@@ -153,6 +153,12 @@ def test_bad_input_is_4xx_with_an_error_body_and_the_server_stays_up(app):
         (post(base, "/v1/completions", {"model": "a", "prompt": "token " * 700, "max_tokens": 4, "stream": True}), 400),
         (post(base, "/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "temperature": -1}), 400),
         (post(base, "/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "top_p": 2}), 400),
+        (httpx.post(base + "/v1/completions", content=b'{"model": "a", "prompt": "x"}', headers={"content-type": "text/plain"}, timeout=30), 415),
+        (httpx.post(base + "/v1/completions", content=b'{"model": "a", "prompt": "' + b"x" * (2 << 20) + b'"}',
+                    headers={"content-type": "application/json"}, timeout=30), 413),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "seed": 2**64}), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "temperature": 1e-300}), 400),
+        (post(base, "/v1/completions", {"model": "a", "prompt": "x", "logprobs": 1}), 400),
     ]
     for response, status in cases:
         assert response.status_code == status, response.text
@@ -168,7 +174,14 @@ def test_backpressure_answers_503_with_retry_after_instead_of_queueing(app):
     base, _, _, _ = app
     body = {"model": "busy", "prompt": "Count:", "max_tokens": 200, "temperature": 0}
     with futures.ThreadPoolExecutor(8) as pool:
-        responses = list(pool.map(lambda _: post(base, "/v1/completions", body, timeout=120), range(8)))
+        burst = [pool.submit(post, base, "/v1/completions", body, timeout=120) for _ in range(8)]
+        # /health does not queue behind the saturated pair (it asks Serve's controller, not the replica)
+        started = time.monotonic()
+        health = httpx.get(base + "/health", timeout=30)
+        health_s, running_meanwhile = time.monotonic() - started, not all(f.done() for f in burst)
+        responses = [f.result() for f in burst]
+    assert health.status_code == 200 and health.json()["models"]["busy"] == "ok", health.text
+    assert health_s < 5 and running_meanwhile, (health_s, running_meanwhile)
     codes = [r.status_code for r in responses]
     assert set(codes) <= {200, 503}, codes
     assert codes.count(200) >= 1 and codes.count(503) >= 1, codes

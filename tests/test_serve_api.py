@@ -143,6 +143,53 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "a", "messages": [{"role": "robot", "content": "x"}]}, 400, None),
     ("/v1/chat/completions", {"model": "a", "messages": "hi"}, 400, None),
     ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "stream": True, "max_tokens": 1000}, 400, None),
+    # issue 13: each of these gave a 5xx, a hang or a silent 200 before
+    ("/v1/completions", {"model": "a", "prompt": "x", "seed": 2**64}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "seed": -1}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "temperature": 1e-300}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x" * 900_000, "max_tokens": 2}, 400, "context_length_exceeded"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "y" * 900_000}]}, 400, "context_length_exceeded"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "stop": [f"s{i}" for i in range(1000)]}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "stop": "z" * 300}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "stop": "z" * (1 << 20)}, 413, "request_too_large"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "n": 3}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "logprobs": 2}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "logprobs": True}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, 400, "unsupported_parameter"),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "logit_bias": {"5": 100}}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "presence_penalty": 0.5}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "frequency_penalty": 1}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "echo": True}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "best_of": 2}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "suffix": "tail"}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "a", "prompt": "x", "seed": "1"}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "stream": "yes"}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 8.5}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": 10**30}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": "x", "max_tokens": True}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": ["one", "two"]}, 400, None),
+    ("/v1/completions", {"model": "a", "prompt": ["one", 2]}, 400, None),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, 400, None),
+    ("/v1/chat/completions", {"model": "a", "messages": [{"role": "user"}]}, 400, None),
+]
+
+_OK_JSON = b'{"model": "a", "prompt": "x", "max_tokens": 2}'
+BAD_RAW = [  # (body, content type, status, code)
+    (b'{"model": "a", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "application/json", 400, "invalid_json"),
+    (b'{"model": "a", "prompt": "x\\ud800"}', "application/json", 400, "invalid_json"),
+    (b'{"model": "a", "messages": [{"role": "user", "content": "\\udfff"}]}', "application/json", 400, "invalid_json"),
+    (b'{"model": "a", "prompt": "x", "temperature": NaN}', "application/json", 400, "invalid_json"),
+    (b'{"model": "a", "prompt": "x", "top_p": Infinity}', "application/json", 400, "invalid_json"),
+    (b'{"model": "a", "prompt": "' + b"x" * (10 << 20) + b'"}', "application/json", 413, "request_too_large"),
+    (_OK_JSON, "text/plain", 415, "unsupported_media_type"),
+    (_OK_JSON, "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
+    (_OK_JSON, "multipart/form-data; boundary=x", 415, "unsupported_media_type"),
+    (_OK_JSON, None, 415, "unsupported_media_type"),
 ]
 
 
@@ -159,6 +206,97 @@ def test_bad_input_gets_a_4xx_openai_error_and_the_server_keeps_serving(client, 
         assert error["code"] == code
     ok = client.post("/v1/completions", json={"model": "a", "prompt": "ok", "max_tokens": 2, "temperature": 0})
     assert ok.status_code == 200
+
+
+@pytest.mark.parametrize("body,content_type,status,code", BAD_RAW, ids=[f"raw{i}" for i in range(len(BAD_RAW))])
+def test_bad_bodies_get_a_4xx_openai_error_and_the_server_keeps_serving(client, body, content_type, status, code):
+    headers = {"content-type": content_type} if content_type else {}
+    response = client.post("/v1/completions", content=body, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["code"] == code
+    assert client.post("/v1/completions", content=_OK_JSON, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+def test_parameters_set_to_their_defaults_are_accepted(client):
+    """Clients that send OpenAI's defaults explicitly (``logprobs: null``, ``presence_penalty: 0``) are served."""
+    body = {"model": "a", "prompt": "x", "max_tokens": 2, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "echo": False, "best_of": 1, "user": "someone", "seed": 2**64 - 1, "temperature": 0.001}
+    assert client.post("/v1/completions", json=body).status_code == 200, client.post("/v1/completions", json=body).text
+
+
+class _Stalling:
+    """A pair client whose stream starts and then never sends another event (a wedged replica), and whose
+    non-streamed call fails with an exception that carries internal details."""
+
+    name = "stall"
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def stream(self, request):
+        async def events():
+            try:
+                yield {"type": "start", "id": "x", "prompt_tokens": 1}
+                await asyncio.Event().wait()
+            finally:
+                self.closed = True
+
+        return events()
+
+    async def generate(self, request):
+        raise RuntimeError("boom at /srv/secret/path line 3")
+
+    async def info(self):
+        return {}
+
+    async def health(self):
+        return None
+
+
+def test_a_stalled_stream_ends_with_an_error_event_and_errors_hide_internals():
+    stalling = _Stalling()
+    ingress = OpenAIIngress({"stall": stalling}, limits={"stream_idle_s": 0.5})
+    with TestClient(make_api(ingress)) as test_client:
+        started = time.monotonic()
+        with test_client.stream("POST", "/v1/completions", json={"model": "stall", "prompt": "x", "stream": True}) as response:
+            assert response.status_code == 200
+            events = sse_events(response)
+        assert time.monotonic() - started < 30
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "stream_timeout"
+        assert stalling.closed  # the pair's call was cancelled, not left running
+        failed = test_client.post("/v1/completions", json={"model": "stall", "prompt": "x"})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "internal_error"
+        assert "secret" not in failed.text and "boom" not in failed.text
+
+
+def test_check_health_notices_a_stuck_decode_loop(pairs):
+    """A decode step that never returns while a request waits makes ``check_health`` fail (Serve then
+    replaces the replica), not only a dead thread."""
+    import threading
+
+    spec = PairSpec(model="stuck", target="unused", dtype="float32", max_tokens=8, compile="off", stuck_after_s=0.3)
+    server = PairServer(spec, target=pairs["a"].target)
+    release = threading.Event()
+    engine = server._loaded.engine
+    real_step = engine.step
+    engine.step = lambda: (release.wait(), real_step())[1]  # the fault: a step that hangs until released
+    try:
+        server.check_health()  # idle: healthy however long it has been quiet
+
+        async def run():
+            task = asyncio.ensure_future(server.generate(Request(prompt="hi", max_tokens=2, temperature=0)))
+            await asyncio.sleep(0.8)
+            with pytest.raises(RuntimeError, match="stuck"):
+                server.check_health()
+            release.set()
+            return await task
+
+        assert asyncio.run(run())["usage"]["completion_tokens"] == 2
+        server.check_health()
+    finally:
+        release.set()
+        server.shutdown()
 
 
 def test_models_health_and_unknown_routes(client):

@@ -92,3 +92,23 @@ def test_stream_chunks_concatenate_to_generate(smollm2):
     assert [t for c in chunks for t in c.token_ids] == result.token_ids
     assert "".join(c.text for c in chunks) == result.text
     assert chunks[0].stats is None and all(c.stats is not None for c in chunks[1:])
+
+
+def test_two_cold_starts_convert_the_builtin_target_without_racing(tmp_path):
+    """Two processes convert the GGUF at once into an empty cache (issue 13): both get the same complete
+    folder and revision, and no temporary folder is left behind."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = "import json; from eagle.target import materialize_builtin; d, r = materialize_builtin('smollm2-135m'); print(json.dumps([str(d), r]))"
+    env = {**os.environ, "EAGLE_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert results[0] == results[1]
+    folder = tmp_path / "cache" / "targets"
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock")) == ["smollm2-135m"]
+    assert json.loads((folder / "smollm2-135m" / "eagle_target.json").read_text())["revision"] == results[0][1]

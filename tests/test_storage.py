@@ -90,6 +90,18 @@ def test_local_write_is_atomic(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert storage.read_bytes("x.bin") == b"old"  # a reader never sees a half-written object
     assert not storage.exists("y.bin")  # so a rerun does not mistake it for a complete shard
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.bin"]  # and the failed writes left no temporary file
+
+
+def test_local_writes_are_fsynced_before_they_are_published(tmp_path, monkeypatch):
+    """The file's bytes are fsynced before the rename, and its folder after it (issue 13): a manifest written
+    after its shards never names a shard the disk lost in a crash."""
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync:" + ("dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "file")), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (calls.append("replace"), real_replace(a, b))[1])
+    Storage(str(tmp_path)).write_json("features/manifest.json", {"shards": 2})
+    assert calls == ["fsync:file", "replace", "fsync:dir"]
 
 
 def test_unwritable_root_is_one_line_storage_error(tmp_path):

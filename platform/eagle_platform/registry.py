@@ -43,7 +43,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
@@ -60,7 +60,7 @@ TARGETS_EXPERIMENT = "eagle-targets"
 HEAD_FILES = ("config.json", "model.safetensors")
 _CACHE_MARKER = ".eagle-registry.json"
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[^/@]+))/?$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class RegistryError(ValueError):
@@ -81,13 +81,13 @@ def tracking_uri() -> str:
 
 def target_model_name(target_name: str) -> str:
     """Registered model that holds a target's versions: the target's own name."""
-    _check_name(target_name, "target name")
+    check_name(target_name, "target name")
     return target_name
 
 
 def head_model_name(target_name: str) -> str:
     """Registered model that holds the heads of a target: ``<target_name>-eagle``."""
-    _check_name(target_name, "target name")
+    check_name(target_name, "target name")
     return f"{target_name}{HEAD_MODEL_SUFFIX}"
 
 
@@ -111,16 +111,50 @@ def cache_dir() -> Path:
     return Path(root) / "heads"
 
 
-def _check_name(name: str, what: str) -> None:
+def check_name(name: str, what: str) -> str:
+    """``name`` if it is safe as a registered model name and as one path component (targets, datasets, run
+    names reach storage paths): letters, digits, '.', '_' and '-', starting with a letter or digit, at most
+    128 characters; else a one-line ``RegistryError``."""
     if not isinstance(name, str) or not _NAME.match(name):
-        raise RegistryError(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-' (no '/', '@' or spaces)")
+        raise RegistryError(f"bad {what} {name!r}: use letters, digits, '.', '_' and '-', starting with a letter or digit "
+                            f"(no '/', '@' or spaces; at most 128)")
+    return name
 
 
 # ------------------------------------------------------------------------------------------ connection
 
 
+T = TypeVar("T")
+
+
+class RegistryUnavailableError(RegistryError):
+    """No tracking server answers at the URI (down, restarting, or answering 5xx): maybe transient."""
+
+
+def with_retries(call: Callable[[], T], *, within_s: float = 120.0, what: str = "an MLflow call",
+                 on_retry: Callable[[RegistryUnavailableError, float], None] | None = None) -> T:
+    """``call()``, retried while it raises ``RegistryUnavailableError`` (a server restart), with backoff from 1 s
+    doubling to 15 s, for at most ``within_s`` seconds; then the last error propagates. Any other error
+    propagates at once. ``on_retry(error, delay_s)`` is told before each wait."""
+    deadline = time.monotonic() + within_s
+    delay = 1.0
+    while True:
+        try:
+            return call()
+        except RegistryUnavailableError as err:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            wait = min(delay, left)
+            logger.warning("%s failed (%s); retrying in %.0f s (%.0f s left)", what, err, wait, left)
+            if on_retry is not None:
+                on_retry(err, wait)
+            time.sleep(wait)
+            delay = min(delay * 2, 15.0)
+
+
 def _no_server(uri: str) -> RegistryError:
-    return RegistryError(
+    return RegistryUnavailableError(
         f"no MLflow tracking server at {uri}: start the local stack with `make stack-up` or set MLFLOW_TRACKING_URI"
     )
 
@@ -157,9 +191,12 @@ def _mlflow_errors(uri: str, context: str) -> Iterator[None]:
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         if "Max retries exceeded" in message or "Failed to establish a new connection" in message:
             raise _no_server(uri) from None
+        status = getattr(err, "get_http_status_code", lambda: None)()
+        if isinstance(status, int) and status >= 500:
+            raise RegistryUnavailableError(f"{context}: {message}") from None
         raise RegistryError(f"{context}: {message}") from None
-    except OSError as err:  # requests' ConnectionError is an OSError
-        raise RegistryError(f"{context}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
+    except OSError as err:  # requests' ConnectionError is an OSError: the server went away mid-call
+        raise RegistryUnavailableError(f"{context}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}") from None
 
 
 def _error_code(err: MlflowException) -> str:
