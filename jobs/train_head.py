@@ -319,11 +319,11 @@ def train(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from eagle_platform.registry import Registry, check_name, with_retries
+    from eagle_platform.registry import Registry, with_retries
 
     target_spec = target_spec or preset.target
     storage, name, revision, manifests = _validate(preset, storage_uri, target_spec)
-    run_name = check_name(run_name or f"{name}-{preset.dataset}-{preset.name}", "run name")  # a folder of the results
+    run_name, lease = lease_run_name(run_name or f"{name}-{preset.dataset}-{preset.name}", explicit=run_name is not None)
     reg = Registry(tracking_uri)  # default: $MLFLOW_TRACKING_URI or the local stack
     runs = reg.runs
     runs.check_server()  # fails in one line when no server answers
@@ -390,8 +390,41 @@ def train(
         if raised is err:
             raise
         raise raised from err
+    finally:
+        lease.close()  # the run name is free for the next job (a resume)
     logger.info("run %s finished: head %s registered as %s-eagle version %s", run_name, local_head, name, version)
     return {"run_id": run_id, "run_name": run_name, "head_dir": str(local_head), "version": version, "metrics": dict(result.metrics or {})}
+
+
+def lease_run_name(base: str, *, explicit: bool, folder: Path | None = None) -> tuple[str, Any]:
+    """A run name no other live job on this machine holds, and the lease on it (an open file the caller keeps
+    until the job ends; the OS drops its lock when the process dies, however it dies).
+
+    The run name is the MLflow run (the same name resumes it) and the Ray Train results folder, so two
+    concurrent ``ray job submit`` of one preset must not share it: a default name held by a live job moves
+    on to ``<name>-2``, ``<name>-3``...; an explicit ``--run-name`` that is held is refused in one line. The
+    locks live in ``<cache root>/locks`` on the machine that runs the job drivers (a cluster's head node)."""
+    import fcntl
+
+    from eagle_platform.registry import check_name
+
+    check_name(base, "run name")  # a folder of the results
+    folder = folder or cache_root() / "locks"
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 1000):
+        name = base if n == 1 else f"{base}-{n}"
+        handle = open(folder / f"train-{name}.lock", "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            if explicit:
+                raise EagleError(f"run name {name!r} is held by another running training job; wait for it or pick another --run-name") from None
+            continue
+        if n > 1:
+            logger.info("run name %s is held by another running job: this one is %s", base, name)
+        return name, handle
+    raise EagleError(f"every run name {base}-2 ... {base}-999 is held by a running job")
 
 
 class RunFailedError(RuntimeError):

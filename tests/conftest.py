@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+pytest_plugins = ["strict_skips"]  # make test: a skipped test fails (tests/strict_skips.py)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -199,8 +199,7 @@ def test_failed_registration_leaves_nothing_behind(reg, tmp_path, monkeypatch):
         with pytest.raises(RegistryError, match="read-only"):
             reg.register_head(run_id, "head", "tiny-x", "r1")
     mlflow_client = MlflowClient(tracking_uri=reg.uri, registry_uri=reg.uri)
-    with pytest.raises(MlflowException):  # the empty model created on the way was deleted again
-        mlflow_client.get_registered_model("tiny-x-eagle")
+    assert mlflow_client.search_model_versions("name = 'tiny-x-eagle'") == []  # no version; the (empty) model may stay
 
     # an alias that cannot be set removes the version it would have named; the model itself stays
     first = reg.register_head(run_id, "head", "tiny-x", "r1")
@@ -368,3 +367,68 @@ def test_a_tracking_server_restart_is_waited_out_and_a_dead_one_is_not_bad_input
     assert failed_run(runs, run_id, bug, retry_s=0.5) is bug
     with pytest.raises(RegistryError):  # outside a run, an error the user can act on is still one line
         with_retries(lambda: (_ for _ in ()).throw(RegistryError("unknown model")), within_s=5)
+
+
+def test_a_registration_killed_half_way_leaves_no_usable_orphan(reg, tmp_path):
+    """SIGKILL right after MLflow created the version (no cleanup can run): the version stays tagged
+    ``registration=pending``, every reader refuses it, pipelines skip it, and the next registration works."""
+    from eagle_platform.registry import head_model_name, is_complete
+
+    reg.register_target("tiny-k", "r1", {})
+    run_id = train_run(reg.runs, fake_head(tmp_path / "head"))
+    script = (
+        "import os, sys\n"
+        "from mlflow import MlflowClient\n"
+        "from eagle_platform.registry import Registry\n"
+        "real = MlflowClient.create_model_version\n"
+        "def then_killed(self, *a, **k):\n"
+        "    real(self, *a, **k)\n"
+        "    os._exit(9)  # what SIGKILL does: no except, no finally\n"
+        "MlflowClient.create_model_version = then_killed\n"
+        f"Registry({reg.uri!r}).register_head({run_id!r}, 'head', 'tiny-k', 'r1')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 9, done.stderr[-2000:]
+    name = head_model_name("tiny-k")
+    [orphan] = reg.versions(name)
+    assert orphan["tags"]["registration"] == "pending" and not is_complete(orphan)
+    assert reg.alias_version(name, "candidate") is None
+    for read in (lambda: reg.resolve_head(f"models:/{name}/{orphan['version']}"),
+                 lambda: reg.head_version_info(name, version=orphan["version"])):
+        with pytest.raises(RegistryError, match="registration did not finish"):
+            read()
+    good = reg.register_head(run_id, "head", "tiny-k", "r1")
+    assert reg.alias_version(name, "candidate") == good
+    assert [v["version"] for v in reg.versions(name) if is_complete(v)] == [good]
+    assert reg.head_version_info(name, "candidate")["tags"]["registration"] == "complete"
+
+
+def test_a_failed_registration_never_deletes_versions_another_job_added(reg, tmp_path, monkeypatch):
+    """Our registration creates the head model, another job registers a version into it, then ours fails:
+    undoing ours deletes only our own version (the old undo deleted the whole model, the other job's too)."""
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    reg.register_target("tiny-c", "r1", {})
+    run_id = train_run(reg.runs, fake_head(tmp_path / "head"))
+    other = Registry(reg.uri)
+    theirs: list[str] = []
+    real_create, real_version = MlflowClient.create_registered_model, MlflowClient.create_model_version
+
+    def create_then_other_job(self, name, *args, **kwargs):
+        model = real_create(self, name, *args, **kwargs)
+        with monkeypatch.context() as inner:  # the other job runs the real calls
+            inner.setattr(MlflowClient, "create_model_version", real_version)
+            theirs.append(other.register_head(run_id, "head", "tiny-c", "r1", alias="other"))
+        return model
+
+    def broken(self, *args, **kwargs):
+        raise MlflowException("registry store is read-only")
+
+    monkeypatch.setattr(MlflowClient, "create_registered_model", create_then_other_job)
+    monkeypatch.setattr(MlflowClient, "create_model_version", broken)
+    with pytest.raises(RegistryError, match="read-only"):
+        reg.register_head(run_id, "head", "tiny-c", "r1")
+    monkeypatch.undo()
+    assert [v["version"] for v in reg.versions("tiny-c-eagle")] == theirs
+    assert reg.alias_version("tiny-c-eagle", "other") == theirs[0]

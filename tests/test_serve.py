@@ -26,7 +26,7 @@ from eagle.target import load_target
 from mlflow_server import free_port
 from serve_helpers import plain_text, register_head, tiny_chat_target_dir, tiny_head_dir
 
-ray = pytest.importorskip("ray")
+import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from jobs.common import init_ray  # noqa: E402
@@ -332,9 +332,11 @@ def test_sigkilling_a_replica_under_load_loses_no_request(app):
             result["error"] = next((p["error"] for p in payloads if "error" in p), None)
             result["text"] = "".join(p["choices"][0]["text"] for p in payloads if "error" not in p)
             result["eagle"] = payloads[-1].get("eagle", {})
+            finishes = [p["choices"][0]["finish_reason"] for p in payloads if p.get("choices") and p["choices"][0].get("finish_reason")]
+            result["finish"] = finishes[-1] if finishes else None  # a stream cut short has none
         elif response.status_code == 200:
             body = json.loads(raw)
-            result.update(error=None, text=body["choices"][0]["text"], eagle=body["eagle"])
+            result.update(error=None, text=body["choices"][0]["text"], eagle=body["eagle"], finish=body["choices"][0]["finish_reason"])
         return result
 
     with futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -361,6 +363,7 @@ def test_sigkilling_a_replica_under_load_loses_no_request(app):
     assert not hung, hung
     for r in results:
         assert r["status"] == 200 and r["error"] is None, (r["i"], r["status"], r.get("raw", "")[-300:])
+        assert r["finish"] in ("length", "stop"), (r["i"], r.get("raw", "")[-300:])  # not a stream that just ended
         assert r["text"] == expected[r["i"]], r["i"]
         assert r["eagle"]["replica"] in pids, r["eagle"]
     assert not lost

@@ -185,3 +185,21 @@ def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp
         [sys.executable, "-m", "jobs.train_head", *base, "--dataset", DATASET], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "MLflow" in done.stderr
+
+
+def test_concurrent_jobs_of_one_preset_never_share_a_run_name(tmp_path):
+    """Two live jobs with the default run name get different names (so different MLflow runs and results
+    folders); an explicit --run-name held by a live job is refused; a name whose job ended is reused (resume)."""
+    from eagle.errors import EagleError
+    from jobs.train_head import lease_run_name
+
+    first, first_lease = lease_run_name("tiny-sharegpt-quick", explicit=False, folder=tmp_path)
+    second, second_lease = lease_run_name("tiny-sharegpt-quick", explicit=False, folder=tmp_path)
+    assert (first, second) == ("tiny-sharegpt-quick", "tiny-sharegpt-quick-2")
+    with pytest.raises(EagleError, match="held by another running training job"):
+        lease_run_name("tiny-sharegpt-quick", explicit=True, folder=tmp_path)
+    first_lease.close()  # that job ended (or died: the OS drops the lock either way)
+    again, again_lease = lease_run_name("tiny-sharegpt-quick", explicit=True, folder=tmp_path)
+    assert again == "tiny-sharegpt-quick"
+    for lease in (second_lease, again_lease):
+        lease.close()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle_platform.registry import PRODUCTION, Registry, RegistryError, head_model_name
+from eagle_platform.registry import PRODUCTION, Registry, RegistryError, head_model_name, is_complete
 
 logger = logging.getLogger(__name__)
 
@@ -152,9 +152,12 @@ class Reconciler:
         return sorted(m["name"] for m in self.registry.models() if not m["name"].endswith("-eagle"))
 
     def versions(self, name: str) -> list[dict[str, Any]]:
-        """The versions of target ``name`` with their pipeline state (``pipeline``), oldest first."""
+        """The versions of target ``name`` with their pipeline state (``pipeline``), oldest first; a version
+        whose registration never finished (``registry.is_complete``) is not one."""
         out = []
         for version in self.registry.versions(name):
+            if not is_complete(version):
+                continue
             tags = version["tags"]
             state = {key: tags.get(TAG + key) for key in STATE_TAGS}
             state["attempt"] = int(state["attempt"] or 0)
@@ -372,7 +375,7 @@ class Reconciler:
             run_id = self.registry.runs.find_run(TRAINING_EXPERIMENT, self._run_name(name, version))
             if run_id is None:
                 raise PipelineError(f"no MLflow run named {self._run_name(name, version)!r}")
-            heads = [v for v in self.registry.versions(head_model_name(name)) if v["run_id"] == run_id]
+            heads = [v for v in self.registry.versions(head_model_name(name)) if v["run_id"] == run_id and is_complete(v)]
             if not heads:
                 raise PipelineError(f"run {run_id} registered no head")
             self._set(name, number, run_id=run_id, head_version=heads[-1]["version"])

@@ -125,6 +125,7 @@ def check_name(name: str, what: str) -> str:
 
 
 T = TypeVar("T")
+REGISTRATION_TAG, PENDING, COMPLETE = "registration", "pending", "complete"  # ``_register_version``'s two phases
 
 
 class RegistryUnavailableError(RegistryError):
@@ -603,15 +604,15 @@ class Registry(_Connection):
         ]
 
     def set_version_tags(self, name: str, version: str, tags: Mapping[str, Any]) -> None:
-        """Set tags (values as strings) on ``version`` of registered model ``name``."""
-        self._get_version(name, version=str(version))  # one clear line for an unknown model or version
+        """Set tags (values as strings) on ``version`` of registered model ``name`` (pending ones too)."""
+        self._find_version(name, version=str(version))  # one clear line for an unknown model or version
         with self._errors(f"tagging {name!r} version {version}"):
             for key, value in tags.items():
                 self.client.set_model_version_tag(name, str(version), str(key), str(value))
 
     def delete_version_tag(self, name: str, version: str, key: str) -> None:
         """Remove tag ``key`` from ``version`` of registered model ``name`` (no error when it is not set)."""
-        self._get_version(name, version=str(version))
+        self._find_version(name, version=str(version))
         with self._errors(f"untagging {name!r} version {version}"):
             self.client.delete_model_version_tag(name, str(version), str(key))
 
@@ -652,10 +653,14 @@ class Registry(_Connection):
     def _register_version(
         self, name: str, run_id: str, artifact_path: str, tags: Mapping[str, str], *, alias: str | None = None
     ) -> str:
-        """Create ``name`` if missing, a version whose source is the run's ``artifact_path``, and the alias;
-        undo what this call created when a step fails."""
+        """Create ``name`` if missing, a version whose source is the run's ``artifact_path``, and the alias.
+
+        Two-phase: the version is created tagged ``registration=pending`` and marked ``complete`` once it is
+        READY, before the alias moves; readers refuse a pending version (``_get_version``) and pipelines skip
+        it (``is_complete``), so a registration killed half-way (SIGKILL: no cleanup runs) leaves a version
+        nobody mistakes for a good head. When a step fails in this process, the version it created is
+        deleted again; the registered model never is (another job may have added versions meanwhile)."""
         mlflow_client = self.client
-        created_model = False
         version = None
         try:
             with self._errors(f"registering {name!r}"):
@@ -667,28 +672,37 @@ class Registry(_Connection):
                         raise
                     try:
                         mlflow_client.create_registered_model(name)
-                        created_model = True
                     except MlflowException as exists:  # created meanwhile by another process
                         if _error_code(exists) != "RESOURCE_ALREADY_EXISTS":
                             raise
                 source = f"{run.info.artifact_uri.rstrip('/')}/{artifact_path}"
                 with contextlib.redirect_stdout(sys.stderr):
-                    model_version = mlflow_client.create_model_version(name, source=source, run_id=run_id, tags=dict(tags))
+                    model_version = mlflow_client.create_model_version(
+                        name, source=source, run_id=run_id, tags={**tags, REGISTRATION_TAG: PENDING}
+                    )
                 version = model_version.version
                 if model_version.status != "READY":
                     raise RegistryError(f"{name} version {version} is {model_version.status}: {model_version.status_message}")
+                mlflow_client.set_model_version_tag(name, version, REGISTRATION_TAG, COMPLETE)
                 if alias:
                     mlflow_client.set_registered_model_alias(name, alias, version)
             return version
         except BaseException:
-            with contextlib.suppress(Exception):
-                if created_model:
-                    mlflow_client.delete_registered_model(name)
-                elif version is not None:
+            if version is not None:
+                with contextlib.suppress(Exception):
                     mlflow_client.delete_model_version(name, version)
             raise
 
     def _get_version(self, name: str, *, alias: str | None = None, version: str | None = None):
+        """The MLflow model version an alias or number names; a version whose registration never finished
+        (``registration=pending``: its job was killed half-way) is refused in one line."""
+        model_version = self._find_version(name, alias=alias, version=version)
+        if (model_version.tags or {}).get(REGISTRATION_TAG) == PENDING:
+            raise RegistryError(f"{name} version {model_version.version}: its registration did not finish (the job that "
+                                f"created it died); it is not a usable version")
+        return model_version
+
+    def _find_version(self, name: str, *, alias: str | None = None, version: str | None = None):
         model = self._registered_model(name)
         if model is None:
             raise RegistryError(f"no registered model {name!r} at {self.uri}")
@@ -709,6 +723,12 @@ class Registry(_Connection):
                 if _error_code(err) == "RESOURCE_DOES_NOT_EXIST":
                     raise RegistryError(f"registered model {name!r} has no version {version}") from None
                 raise
+
+
+def is_complete(version: Mapping[str, Any]) -> bool:
+    """Whether a version (a ``Registry.versions`` entry) finished its registration: only versions created by
+    ``_register_version`` and killed before they were marked complete are not (older ones have no tag)."""
+    return (version.get("tags") or {}).get(REGISTRATION_TAG) != PENDING
 
 
 def resolve_head(uri: str, *, tracking: str | None = None) -> str:
