@@ -198,7 +198,7 @@ def _replica_env(tracking_uri: str | None) -> dict[str, str]:
     tracking = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if tracking:
         env["MLFLOW_TRACKING_URI"] = tracking
-    for key in ("EAGLE_CACHE_DIR",):
+    for key in ("EAGLE_CACHE_DIR", "MLFLOW_TRACKING_USERNAME", "EAGLE_MLFLOW_PASSWORD_FILE"):  # the registry's credentials
         if os.environ.get(key):
             env[key] = os.environ[key]
     return env

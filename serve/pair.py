@@ -297,11 +297,13 @@ class PairServer:
     # ---- loading and hot swap -------------------------------------------------------------------------
 
     def _load(self, head_spec: str | None) -> _Loaded:
-        from eagle.head import EagleHead
-
         if head_spec is None:
             return _Loaded(*self._ready(None), None, None, time.time())
-        head_dir, version = self._resolve_head_dir(head_spec)
+        return self._load_dir(*self._resolve_head_dir(head_spec))
+
+    def _load_dir(self, head_dir: str, version: str | None) -> _Loaded:
+        from eagle.head import EagleHead
+
         head = EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
         return _Loaded(*self._ready(head), head_dir, version, time.time())
 
@@ -313,18 +315,12 @@ class PairServer:
 
         return Registry()
 
-    def _registry_version(self, spec: str) -> tuple[str, str]:
-        """(registered model name, version) that a ``models:/<name>@<alias>`` or ``/<version>`` spec points at now."""
-        from eagle_platform.registry import parse_models_uri
-
-        name, alias, version = parse_models_uri(spec)
-        return name, str(self._registry.head_version_info(name, alias, version=version)["version"])
-
     def _resolve_head_dir(self, spec: str) -> tuple[str, str | None]:
-        """A head spec as (local directory, registry version or None)."""
+        """A head spec as (local directory, registry version or None); a ``models:/`` head comes from the
+        local cache when MLflow is briefly down (``Registry.resolve_head_version``)."""
         if spec.startswith("models:/"):
-            name, version = self._registry_version(spec)
-            return self._registry.resolve_head(f"models:/{name}/{version}"), version
+            directory, version = self._registry.resolve_head_version(spec)
+            return directory, version
         from eagle.cli import resolve_head_spec
 
         return resolve_head_spec(spec), None
@@ -357,10 +353,10 @@ class PairServer:
         spec = self._head_spec
         if not spec or not spec.startswith("models:/"):
             return False
-        name, current = self._registry_version(spec)
+        head_dir, current = self._registry.resolve_head_version(spec)
         if current == self._loaded.head_version:
             return False
-        loaded = self._load(f"models:/{name}/{current}")
+        loaded = self._load_dir(head_dir, current)
         with self._swap_lock:
             previous, self._loaded = self._loaded, loaded
         self._add_engine(loaded.engine)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from env_helpers import temporary_env
 from mlflow_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +54,10 @@ def client_env(env: dict, state_dir: Path) -> dict:
         key, _, value = line.removeprefix("export ").partition("=")
         out[key] = value
     return out
+
+
+def mlflow_credentials(env: dict):
+    """This test process talks to the stack's authenticated MLflow (as jobs do) while the block runs: the
+    user and the password from the file the stack's env names, set in os.environ and put back after."""
+    password = Path(env["EAGLE_MLFLOW_PASSWORD_FILE"]).read_text().strip()
+    return temporary_env({"MLFLOW_TRACKING_USERNAME": env["MLFLOW_TRACKING_USERNAME"], "MLFLOW_TRACKING_PASSWORD": password})

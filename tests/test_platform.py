@@ -30,7 +30,7 @@ import pytest
 
 from mlflow_server import free_port
 from serve_helpers import plain_text, tiny_chat_target_dir
-from stack_helpers import BIN, client_env, stack, stack_env
+from stack_helpers import BIN, client_env, mlflow_credentials, stack, stack_env
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +55,8 @@ def platform(tmp_path_factory):
     handle = Platform(env, allowed, root)
     handle.start()
     try:
-        yield handle
+        with mlflow_credentials(env):  # the test's own MLflow calls (what a user does by hand) authenticate too
+            yield handle
     finally:
         handle.stop()
         stack("down", env, timeout=300)

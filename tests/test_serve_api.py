@@ -366,6 +366,42 @@ def test_hot_swap_follows_the_alias_without_dropping_a_request_in_flight(mlflow_
         server.shutdown()
 
 
+def test_a_replacement_replica_starts_from_its_head_cache_while_mlflow_is_down(monkeypatch, tmp_path):
+    """A pair on models:/...@production resolved once (cached, recorded); then the tracking server goes down:
+    a new replica on the same machine starts on the version recorded last, from the cache, and its alias
+    watch keeps serving it; with nothing cached the start fails in one line instead."""
+    from mlflow_server import free_port, start_mlflow_server, stop_mlflow_server
+
+    from eagle_platform import registry
+    from eagle_platform.registry import RegistryError
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    uri, process = start_mlflow_server(tmp_path / "mlflow", port=free_port())
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    target_dir = tiny_chat_target_dir(tmp_path / "tiny-down", seed=5)
+    target = load_target(str(target_dir), dtype="float32")
+    spec = PairSpec(model="down", target=str(target_dir), head=f"models:/{target.name}-eagle@production", dtype="float32",
+                    watch_s=None, compile="off")
+    try:
+        version = register_head(tiny_head_dir(target_dir, tmp_path / "h", seed=1), target)
+        PairServer(spec, target=target).shutdown()  # the first replica resolved and cached it
+    finally:
+        stop_mlflow_server(process)
+    registry._REACHABLE.clear()
+    replacement = PairServer(spec, target=target)
+    try:
+        assert replacement.info()["head_version"] == version
+        assert replacement.refresh() is False  # the watch keeps the cached head while the server is away
+        result = asyncio.run(replacement.generate(Request(prompt="Story:", max_tokens=12, temperature=0)))
+        assert result["text"] == plain_text(target, target.tokenizer.encode("Story:"), 12)
+    finally:
+        replacement.shutdown()
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "empty-cache"))
+    with pytest.raises(RegistryError, match="no MLflow tracking server"):
+        PairServer(spec, target=target)
+
+
 def test_loadtest_percentiles():
     from serve.loadtest import percentile
 

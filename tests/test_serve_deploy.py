@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from serve_helpers import plain_text, register_head
-from stack_helpers import BIN, ROOT, client_env, stack, stack_env
+from stack_helpers import BIN, ROOT, client_env, mlflow_credentials, stack, stack_env
 from mlflow_server import free_port
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,8 @@ def test_serve_deploy_of_the_repo_config_serves_the_registered_pair(tmp_path, sm
         monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking)
         monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
         head_dir = EagleHead.for_target(smollm2, seed=0).save_pretrained(tmp_path / "head")
-        version = register_head(head_dir, smollm2)
+        with mlflow_credentials(cli):  # the stack's MLflow needs them
+            version = register_head(head_dir, smollm2)
         preflight = subprocess.run([str(BIN / "python"), "-m", "serve.preflight", config], env=cli, cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert preflight.returncode == 0, preflight.stderr
 

@@ -4,6 +4,7 @@ with token authentication, down; afterwards nothing it started is left listening
 from __future__ import annotations
 
 import subprocess
+import sys
 import urllib.request
 
 import pytest
@@ -13,7 +14,6 @@ from stack_helpers import BIN, ROOT, client_env, listening, stack, stack_env
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.skipif(not (BIN / "ray").is_file() or not (BIN / "mlflow").is_file(), reason="needs ray and mlflow in the venv")
 def test_stack_up_status_submit_down(tmp_path):
     env, ports = stack_env(tmp_path / "stack")
     mlflow_uri = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
@@ -36,11 +36,16 @@ def test_stack_up_status_submit_down(tmp_path):
         assert "mlflow: up" in status.stdout and "ray: up" in status.stdout
 
         job_env = client_env(env, tmp_path / "stack")
+        # a job reaches the authenticated MLflow with the credentials the Ray head passes it (not the password)
+        probe = ("import eagle, jobs; from eagle_platform.registry import Runs; "
+                 "print('job-ok', Runs().get_or_create_experiment('stack-test'))")
         job = subprocess.run(
-            [str(BIN / "ray"), "job", "submit", "--working-dir", str(ROOT), "--", "python", "-c", "import eagle, jobs; print('job-ok')"],
-            env=job_env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+            [str(BIN / "ray"), "job", "submit", "--working-dir", str(ROOT), "--", "python", "-c", probe],
+            env={k: v for k, v in job_env.items() if not k.startswith(("MLFLOW_TRACKING", "EAGLE_MLFLOW"))},
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
         assert job.returncode == 0 and "job-ok" in job.stdout, job.stdout[-2000:] + job.stderr[-2000:]
+        _assert_registry_writes_need_credentials(mlflow_uri, tmp_path / "stack", job_env)
     finally:
         down = stack("down", env, timeout=120)
     assert down.returncode == 0, down.stderr
@@ -49,3 +54,44 @@ def test_stack_up_status_submit_down(tmp_path):
     assert not (tmp_path / "stack" / "ray-head.env").exists() and not (tmp_path / "stack" / "mlflow.pid").exists()
     status = stack("status", env, timeout=60)
     assert status.returncode == 1 and "mlflow: down" in status.stdout and "ray: down" in status.stdout
+
+
+def _assert_registry_writes_need_credentials(uri: str, state_dir, job_env: dict) -> None:
+    """Issue 13: the stack's MLflow answers 401 without the stack's credentials (so nobody else on the
+    machine can move @production) and works with them; the password file is 0600 in a 0700 folder."""
+    import base64
+    import json
+    import stat
+    import urllib.error
+    import urllib.request
+
+    password_file = state_dir / "auth" / "mlflow-password"
+    assert job_env["EAGLE_MLFLOW_PASSWORD_FILE"] == str(password_file)
+    assert stat.S_IMODE(password_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(password_file.parent.stat().st_mode) == 0o700
+
+    def call(path: str, body: dict, auth: tuple[str, str] | None) -> int:
+        request = urllib.request.Request(f"{uri}/api/2.0/mlflow/{path}", data=json.dumps(body).encode(), method="POST",
+                                         headers={"content-type": "application/json"})
+        if auth:
+            request.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return response.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
+    password = password_file.read_text().strip()
+    assert call("registered-models/create", {"name": "stack-test-eagle"}, None) == 401
+    assert call("registered-models/create", {"name": "stack-test-eagle"}, ("eagle-admin", "wrong")) == 401
+    assert call("registered-models/create", {"name": "stack-test-eagle"}, ("eagle-admin", password)) == 200
+    body = {"name": "stack-test-eagle", "alias": "production", "version": "1"}
+    assert call("registered-models/alias", body, None) == 401  # moving @production needs the credentials
+
+    script = ("import sys; from eagle_platform.registry import Registry, RegistryError\n"
+              "try:\n    Registry().models()\nexcept RegistryError as err:\n    print(err); sys.exit(2)\nprint('ok')")
+    anonymous = {k: v for k, v in job_env.items() if k not in ("MLFLOW_TRACKING_USERNAME", "EAGLE_MLFLOW_PASSWORD_FILE", "MLFLOW_TRACKING_PASSWORD")}
+    refused = subprocess.run([sys.executable, "-c", script], env=anonymous, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "refused a request without credentials" in refused.stdout, refused.stdout + refused.stderr
+    allowed = subprocess.run([sys.executable, "-c", script], env=job_env, capture_output=True, text=True, timeout=120)
+    assert allowed.returncode == 0 and "ok" in allowed.stdout, allowed.stdout + allowed.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from env_helpers import temporary_env
 from jobs import layout
 from jobs.storage import Storage, StorageError, pack_records, unpack_records
 
@@ -151,7 +152,6 @@ def s3_endpoint(tmp_path_factory):
     with log.open("wb") as handle:
         process = subprocess.Popen([executable, "-H", "127.0.0.1", "-p", str(port)], stdout=handle, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in [*S3_ENV, "EAGLE_S3_ENDPOINT_URL"]}
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -162,19 +162,13 @@ def s3_endpoint(tmp_path_factory):
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"moto_server did not start: {log.read_text()[-2000:]}")
                 time.sleep(0.2)
-        os.environ.update(S3_ENV)
-        os.environ["EAGLE_S3_ENDPOINT_URL"] = url
-        import s3fs
+        with temporary_env({**S3_ENV, "EAGLE_S3_ENDPOINT_URL": url}):
+            import s3fs
 
-        bucket = f"eagle-{uuid.uuid4().hex[:8]}"
-        s3fs.S3FileSystem(client_kwargs={"endpoint_url": url}, skip_instance_cache=True).mkdir(bucket)
-        yield {"url": url, "bucket": bucket}
+            bucket = f"eagle-{uuid.uuid4().hex[:8]}"
+            s3fs.S3FileSystem(client_kwargs={"endpoint_url": url}, skip_instance_cache=True).mkdir(bucket)
+            yield {"url": url, "bucket": bucket}
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         process.terminate()
         try:
             process.wait(timeout=10)

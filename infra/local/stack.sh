@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The local stack on 127.0.0.1: a Ray head (GCS + dashboard / Jobs API, token authentication) and an MLflow
-# tracking server (sqlite + proxied artifacts, one worker, no job runner).
+# tracking server (sqlite + proxied artifacts, one worker, no job runner, MLflow's basic-auth app: every call
+# needs the user eagle-admin and the password `up` creates in auth/mlflow-password, mode 0600).
 #
 #   infra/local/stack.sh up       start what is not running yet, wait until both answer, print the env
 #   infra/local/stack.sh status   what runs, and the env to use (exit 1 when something is down)
@@ -9,7 +10,8 @@
 #
 # Settings (environment):
 #   EAGLE_STACK_DIR     state folder (default <repo>/.mlflow): mlflow.db, artifacts/, mlflow.pid, mlflow.log,
-#                       ray-head.env (what `up` started), ray-start.log, stack.env
+#                       ray-head.env (what `up` started), ray-start.log, stack.env, auth/ (0700: the MLflow
+#                       password and session key, 0600; basic_auth.ini and the user database)
 #   MLFLOW_PORT         5000     RAY_PORT (GCS) 6379     RAY_DASHBOARD_PORT (Jobs API) 8265
 #   RAY_CLIENT_PORT     10001    RAY_AGENT_PORT (dashboard agent HTTP) 52365 when free, else any free port
 #   RAY_NUM_CPUS        CPUs the head offers (default: all)
@@ -38,6 +40,9 @@ RAY_NUM_CPUS="${RAY_NUM_CPUS:-$(nproc)}"
 STACK_TIMEOUT="${STACK_TIMEOUT:-120}"
 GRACE_S="${STACK_GRACE_S:-15}"
 
+AUTH_DIR="$STACK_DIR/auth"
+MLFLOW_USER=eagle-admin  # eagle_platform.registry.STACK_USER
+MLFLOW_PASSWORD_FILE="$AUTH_DIR/mlflow-password"
 MLFLOW_PID_FILE="$STACK_DIR/mlflow.pid"
 MLFLOW_LOG="$STACK_DIR/mlflow.log"
 RAY_RECORD="$STACK_DIR/ray-head.env"
@@ -176,13 +181,19 @@ mlflow_up() {
             die "port $MLFLOW_PORT is taken by a process this stack did not start: stop it or set MLFLOW_PORT"
         fi
         mkdir -p "$STACK_DIR/artifacts"
-        log "starting MLflow on $(mlflow_uri) (state in $STACK_DIR)"
+        mlflow_auth_setup
+        log "starting MLflow on $(mlflow_uri) (state in $STACK_DIR; user $MLFLOW_USER, password in $MLFLOW_PASSWORD_FILE)"
         # its own session / process group, so `down` can stop the server and its uvicorn worker together.
         # Webhooks to http://127.0.0.1 (the platform service's model_version.created hook) need plain http and
         # private IPs allowed: MLflow refuses both by default (mlflow/environment_variables.py, webhooks/ssrf.py).
         # Local only: this server and the service bind to 127.0.0.1.
+        # Registry writes need credentials: the basic-auth app answers 401 to anyone without them (only /health
+        # is open), so nobody else on this machine can move @production. The admin password is read on the
+        # first start only (it creates the user); the session key signs the UI's CSRF tokens.
         MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS=true MLFLOW_WEBHOOK_ALLOWED_SCHEMES=http,https \
-            setsid mlflow server \
+            MLFLOW_AUTH_CONFIG_PATH="$AUTH_DIR/basic_auth.ini" MLFLOW_AUTH_ADMIN_PASSWORD="$(cat "$MLFLOW_PASSWORD_FILE")" \
+            MLFLOW_FLASK_SERVER_SECRET_KEY="$(cat "$AUTH_DIR/session-key")" \
+            setsid mlflow server --app-name basic-auth \
             --backend-store-uri "sqlite:///$STACK_DIR/mlflow.db" \
             --artifacts-destination "$STACK_DIR/artifacts" \
             --host "$HOST" --port "$MLFLOW_PORT" --workers 1 \
@@ -195,6 +206,24 @@ mlflow_up() {
     if ! wait_for "MLflow ($(mlflow_uri))" mlflow_healthy_or_dead "$pid"; then
         die "MLflow did not answer $(mlflow_uri)/health within ${STACK_TIMEOUT}s; see $MLFLOW_LOG"
     fi
+}
+
+mlflow_auth_setup() {  # the secrets (created once, 0600 in a 0700 folder) and the auth app's settings
+    local said secret
+    for secret in "$MLFLOW_PASSWORD_FILE" "$AUTH_DIR/session-key"; do
+        said="$("$PYTHON" -m eagle_platform.ray_token --secret "$secret")" || die "cannot create $secret (see above)"
+        log "$said"
+    done
+    cat >"$AUTH_DIR/basic_auth.ini" <<EOF
+[mlflow]
+default_permission = NO_PERMISSIONS
+database_uri = sqlite:///$AUTH_DIR/basic_auth.db
+admin_username = $MLFLOW_USER
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+# a checked password is remembered for 60 s (one worker: a password change through the API applies at once);
+# without it every request pays a PBKDF2 hash
+auth_cache_ttl_seconds = 60
+EOF
 }
 
 mlflow_healthy_or_dead() {  # stop waiting early when the server died
@@ -286,6 +315,9 @@ ray_up() {
         # The GCS binds all interfaces whatever --node-ip-address says (Ray maps 127.0.0.1 to the host's IP),
         # so none is passed; token authentication guards it. The dashboard (Jobs API) binds 127.0.0.1.
         local started=0
+        # every job and Serve replica of this head inherits this stack's MLflow and where its credentials are
+        # (the password file's path, not the password)
+        MLFLOW_TRACKING_URI="$(mlflow_uri)" MLFLOW_TRACKING_USERNAME="$MLFLOW_USER" EAGLE_MLFLOW_PASSWORD_FILE="$MLFLOW_PASSWORD_FILE" \
         ray start --head --port "$RAY_PORT" \
             --dashboard-host "$HOST" --dashboard-port "$RAY_DASHBOARD_PORT" --include-dashboard true \
             --dashboard-agent-listen-port "$agent_port" --ray-client-server-port "$RAY_CLIENT_PORT" \
@@ -356,6 +388,8 @@ print_env() {
 export RAY_ADDRESS=$HOST:$RAY_PORT
 export RAY_API_SERVER_ADDRESS=$(ray_api)
 export MLFLOW_TRACKING_URI=$(mlflow_uri)
+export MLFLOW_TRACKING_USERNAME=$MLFLOW_USER
+export EAGLE_MLFLOW_PASSWORD_FILE=$MLFLOW_PASSWORD_FILE
 EOF
 }
 

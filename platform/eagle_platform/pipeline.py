@@ -544,7 +544,11 @@ class Reconciler:
         return tags
 
     def _set(self, name: str, number: str, **values: Any) -> None:
-        self.registry.set_version_tags(name, number, self._tags(**values))
+        """Write pipeline tags; MLflow sets them one call each, so the state goes last: a reader that sees
+        ``ready`` (or ``failed``) also sees the tau and reason written with it."""
+        tags = self._tags(**values)
+        state = {key: tags.pop(key) for key in [TAG + "state"] if key in tags}
+        self.registry.set_version_tags(name, number, {**tags, **state})
 
     def _clear(self, name: str, number: str) -> None:
         for key in ("run_id", "head_version", "tau", "speedup", "outputs_match_plain"):

@@ -97,11 +97,18 @@ def ensure_token() -> TokenState:
     return ensure_secret_file(token_path())
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    """``python -m eagle_platform.ray_token``: make the Ray token; ``--secret PATH``: make that secret file
+    instead (infra/local/stack.sh: the MLflow admin password and the MLflow server's session key)."""
+    argv = sys.argv[1:] if argv is None else argv
+    path = Path(argv[1]) if len(argv) == 2 and argv[0] == "--secret" else None
+    if argv and path is None:
+        sys.stderr.write("usage: python -m eagle_platform.ray_token [--secret PATH]\n")
+        return 2
     try:
-        state = ensure_token()
+        state = ensure_secret_file(path) if path is not None else ensure_token()
     except OSError as err:
-        sys.stderr.write(f"ray token: error: cannot create {token_path()}: {err.strerror or err}\n")
+        sys.stderr.write(f"ray token: error: cannot create {path or token_path()}: {err.strerror or err}\n")
         return 2
     sys.stdout.write(state.describe() + "\n")
     return 0

@@ -193,6 +193,10 @@ def _mlflow_errors(uri: str, context: str) -> Iterator[None]:
         if "Max retries exceeded" in message or "Failed to establish a new connection" in message:
             raise _no_server(uri) from None
         status = getattr(err, "get_http_status_code", lambda: None)()
+        if "error code 401" in message or "error code 403" in message or status in (401, 403):
+            who = os.environ.get("MLFLOW_TRACKING_USERNAME")
+            raise RegistryError(f"{context}: the MLflow server at {uri} refused " + (f"user {who!r}" if who else "a request without credentials")
+                                + f" (set MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD, or {PASSWORD_FILE_ENV})") from None
         if isinstance(status, int) and status >= 500:
             raise RegistryUnavailableError(f"{context}: {message}") from None
         raise RegistryError(f"{context}: {message}") from None
@@ -204,11 +208,39 @@ def _error_code(err: MlflowException) -> str:
     return getattr(err, "error_code", "") or ""
 
 
+STACK_USER = "eagle-admin"  # the MLflow user infra/local/stack.sh creates
+PASSWORD_FILE_ENV = "EAGLE_MLFLOW_PASSWORD_FILE"
+
+
+def load_credentials(uri: str) -> None:
+    """Give this process the local stack's MLflow credentials, unless it has some already.
+
+    The stack's server runs MLflow's basic-auth app (infra/local/stack.sh): every call needs a user and a
+    password, which MLflow's client reads from ``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD``.
+    When the password is not set, it is read from ``$EAGLE_MLFLOW_PASSWORD_FILE`` (the stack exports it,
+    and its Ray head passes it to every job and Serve replica), or, for the default tracking URI, from the
+    default stack's ``<repo>/.mlflow/auth/mlflow-password`` (mode 0600: only its owner can read it)."""
+    if os.environ.get("MLFLOW_TRACKING_PASSWORD"):
+        return
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if not path and uri.rstrip("/") == DEFAULT_TRACKING_URI:
+        path = str(Path(__file__).resolve().parents[2] / ".mlflow" / "auth" / "mlflow-password")
+    if not path or not os.path.isfile(path):
+        return
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as err:
+        raise RegistryError(f"cannot read the MLflow password file {path}: {err.strerror or err}") from None
+    os.environ.setdefault("MLFLOW_TRACKING_USERNAME", STACK_USER)
+    os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+
+
 class _Connection:
     """A tracking URI and its ``MlflowClient`` (tracking and registry at the same URI)."""
 
     def __init__(self, uri: str | None = None, *, client: MlflowClient | None = None) -> None:
         self.uri = uri or tracking_uri()
+        load_credentials(self.uri)
         self._client = client or MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
 
     @property
@@ -579,6 +611,42 @@ class Registry(_Connection):
             shutil.rmtree(tmp, ignore_errors=True)
         logger.info("%s -> version %s, downloaded to %s", models_uri, model_version.version, dest)
         return str(dest)
+
+    def resolve_head_version(self, models_uri: str) -> tuple[str, str]:
+        """``(local directory, version)`` of the head ``models:/<name>@<alias>`` (or ``/<version>``) names.
+
+        Each success records, beside the head cache, which version the URI resolved to. When no tracking
+        server answers (``RegistryUnavailableError``: down or restarting), the version recorded last is used
+        if its cached copy is complete, so a replacement replica starts while MLflow is briefly down; the
+        caller's alias watch picks up a move once the server is back."""
+        name, _, _ = parse_models_uri(models_uri)
+        record = cache_dir() / name / ".resolved.json"
+        try:
+            name, alias, version = parse_models_uri(models_uri)
+            number = str(self.head_version_info(name, alias, version=version)["version"]) if version is None else str(version)
+            directory = self.resolve_head(f"models:/{name}/{number}")
+        except RegistryUnavailableError as err:
+            try:
+                number = json.loads(record.read_text())[models_uri]
+            except (OSError, ValueError, KeyError):
+                raise err from None
+            directory = cache_dir() / name / number
+            try:
+                marker = json.loads((directory / _CACHE_MARKER).read_text())
+            except (OSError, ValueError):
+                raise err from None
+            if not _cached(directory, marker):
+                raise err from None
+            logger.warning("%s: %s; serving version %s from the local cache %s", models_uri, err, number, directory)
+            return str(directory), number
+        try:  # best effort: the record only helps a later start during an outage
+            known = json.loads(record.read_text()) if record.is_file() else {}
+            tmp = record.with_name(f".resolved-{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**known, models_uri: number}))
+            os.replace(tmp, record)
+        except (OSError, ValueError):
+            logger.debug("could not record %s -> %s", models_uri, number, exc_info=True)
+        return directory, number
 
     # ---- versions, tags and aliases of any registered model -------------------------------------------
 

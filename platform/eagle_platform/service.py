@@ -371,7 +371,8 @@ def build(args: argparse.Namespace) -> tuple[Any, Loop, ServeSync | None]:
         gates = {name: args.tau_gate for name in PRESETS}
     # RAY_ADDRESS (the GCS) into every process of a job: Ray Train's internal actors otherwise query whichever
     # cluster started last on this host (jobs.common.init_ray says what that broke)
-    job_env = {key: os.environ[key] for key in ("EAGLE_CACHE_DIR", "EAGLE_STORAGE", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+    job_env = {key: os.environ[key] for key in ("EAGLE_CACHE_DIR", "EAGLE_STORAGE", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS",
+                                                 "MLFLOW_TRACKING_USERNAME", "EAGLE_MLFLOW_PASSWORD_FILE")
                if os.environ.get(key)}
     settings = Settings(
         state_dir=state_dir, allowed_roots=tuple(Path(root).expanduser() for root in args.allowed_root),
