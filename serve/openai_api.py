@@ -12,8 +12,10 @@ non-streamed requests alike (``collect`` assembles the latter), bounded by a ``F
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true``
 sends ``text/event-stream`` chunks ending in ``data: [DONE]``), ``GET /health``. Every error is an
 OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad input (malformed JSON,
-wrong types, out-of-range values, a prompt over the context window), 404 for an unknown model, 503/429
-with ``Retry-After`` when a pair's queue is full or its replicas are unavailable, 500 otherwise.
+wrong types, out-of-range values, unsupported parameters, a prompt over the context window), 413 past
+``Limits.max_body_bytes``, 415 for a body that is not JSON, 404 for an unknown model, 503/429 with
+``Retry-After`` when a pair's queue is full or its replicas are unavailable, 500 (an incident id, never
+exception text) otherwise. docs/security.md lists the limits.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagle.generate import MAX_SEED
-from eagle.verify import MIN_TEMPERATURE
+from eagle.errors import EagleError
+from eagle.generate import GenerationConfig
+from eagle.verify import SamplingConfig
 from serve.pair import PairServer, RequestError
 
 logger = logging.getLogger(__name__)
@@ -84,15 +87,23 @@ class _Sampling(BaseModel):
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = Field(None, ge=0, lt=MAX_SEED)
+    seed: StrictInt | None = None
     stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
     n: StrictInt = Field(1, ge=1, le=1)  # one choice per request
 
     def check(self) -> None:
-        """The rules pydantic's field types do not express (raises ``RequestError``, a 400)."""
-        if 0 < self.temperature < MIN_TEMPERATURE:  # the engine's rule (eagle.verify), checked here before routing
-            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}", param="temperature")
+        """The rules pydantic's field types do not express (raises ``RequestError``, a 400). The sampling
+        settings are checked by the engine's own configs (``eagle.verify.SamplingConfig``: temperature 0 or
+        at least its floor; ``eagle.generate.GenerationConfig``: seed in [0, 2**64)) before routing."""
+        try:
+            SamplingConfig(temperature=float(self.temperature), top_p=float(self.top_p))
+        except EagleError as err:
+            raise RequestError(str(err), param="temperature" if "temperature" in str(err) else "top_p") from None
+        try:
+            GenerationConfig(seed=self.seed)
+        except EagleError as err:
+            raise RequestError(str(err), param="seed") from None
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
                 raise RequestError(f"unsupported parameter: {name!r} is not implemented by this server",
@@ -578,13 +589,17 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON number")
 
 
-def decode_json(raw: bytes, request: Request) -> dict[str, Any]:
-    """A JSON object from a body sent as ``application/json`` (415 otherwise: a cross-site form post cannot
-    send that type without a CORS preflight); 400 for invalid JSON, NaN/Infinity, nesting past Python's
-    recursion limit, and strings with a lone UTF-16 surrogate (they cannot be encoded as text)."""
+def check_media_type(request: Request) -> None:
+    """415 unless the body is sent as ``application/json``: a cross-site form post cannot send that type
+    without a CORS preflight. Checked before the body is read."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media != "application/json":
         raise APIError(415, "the request body must be sent as Content-Type: application/json", code="unsupported_media_type")
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    """A JSON object; 400 for invalid JSON, NaN/Infinity, nesting past Python's recursion limit, and strings
+    with a lone UTF-16 surrogate (they cannot be encoded as text)."""
     try:
         value = json.loads(raw, parse_constant=_no_constant)
         json.dumps(value, ensure_ascii=False).encode("utf-8")  # a lone surrogate ("\\ud800") cannot be encoded
@@ -626,7 +641,8 @@ def make_api(ingress: OpenAIIngress):
         return error_response(APIError(400, str(err.errors()[0].get("msg", "invalid request"))))
 
     async def parse(request: Request, schema: type[_Sampling]) -> _Sampling:
-        body = schema_checked(schema, decode_json(await read_body(request, ingress.limits.max_body_bytes), request))
+        check_media_type(request)
+        body = schema_checked(schema, decode_json(await read_body(request, ingress.limits.max_body_bytes)))
         try:
             body.check()
         except RequestError as err:

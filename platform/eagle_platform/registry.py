@@ -619,11 +619,10 @@ class Registry(_Connection):
         server answers (``RegistryUnavailableError``: down or restarting), the version recorded last is used
         if its cached copy is complete, so a replacement replica starts while MLflow is briefly down; the
         caller's alias watch picks up a move once the server is back."""
-        name, _, _ = parse_models_uri(models_uri)
+        name, alias, version = parse_models_uri(models_uri)
         record = cache_dir() / name / ".resolved.json"
         try:
-            name, alias, version = parse_models_uri(models_uri)
-            number = str(self.head_version_info(name, alias, version=version)["version"]) if version is None else str(version)
+            number = str(version) if version is not None else str(self.head_version_info(name, alias)["version"])
             directory = self.resolve_head(f"models:/{name}/{number}")
         except RegistryUnavailableError as err:
             try:
