@@ -1,4 +1,4 @@
-"""``eaglectl``: the command line over the engine (generate, bench, profile).
+"""``eaglectl``: the command line over the engine (generate, bench, profile, prompts, head export).
 
 Bad input exits with code 2 and one line on stderr; the generated text goes to stdout, logs and stats to
 stderr. This module only parses arguments and formats output: the work is in the engine modules.
@@ -16,6 +16,7 @@ from typing import Sequence
 
 from eagle.bench import PROMPT_SETS
 from eagle.compile import COMPILE_MODES
+from eagle.formats import EXPORT_FORMATS
 from eagle.tree import TREE_KINDS
 
 logger = logging.getLogger("eaglectl")
@@ -105,6 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--limit", type=_positive_int, default=None)
     prompts.add_argument("--out", required=True)
 
+    head = commands.add_parser("head", help="head checkpoints: export to the layouts other engines load")
+    head_commands = head.add_subparsers(dest="head_command", required=True, parser_class=_Parser)
+    export = head_commands.add_parser("export", help="write a head directory in vLLM's, SGLang's or SafeAILab EAGLE's layout")
+    export.add_argument("--to", required=True, dest="fmt", choices=list(EXPORT_FORMATS), help="the layout to write")
+    export.add_argument("source", help="head directory (ours) or a registry URI such as models:/<name>@<alias>")
+    export.add_argument("dest", help="new directory to write")
+
     profile = commands.add_parser("profile", help="time one target forward over tree sizes and one draft step")
     profile.add_argument("--target", default="smollm2-135m")
     profile.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -159,7 +167,11 @@ def _load(args):
     from eagle.head import EagleHead
     from eagle.target import load_target
 
+    from eagle.formats import weights_files
+
     head_dir = None if args.head in ("none", "random") else resolve_head_spec(args.head)  # fail before the load
+    if head_dir is not None:
+        weights_files(head_dir)  # a directory without safetensors weights fails before the target loads
     target = load_target(args.target, dtype=args.dtype)
     if args.head == "none":
         head = None
@@ -289,7 +301,15 @@ def cmd_prompts(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "prompts": cmd_prompts, "profile": cmd_profile}
+def cmd_head(args) -> int:
+    from eagle.formats import export_head
+
+    path = export_head(resolve_head_spec(args.source), args.dest, args.fmt)
+    sys.stdout.write(f"{path}\n")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bench": cmd_bench, "prompts": cmd_prompts, "profile": cmd_profile, "head": cmd_head}
 
 
 COMMANDS_GROUP = "eagle.commands"  # more eaglectl commands from other packages (eagle-platform: targets, platform)

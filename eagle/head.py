@@ -63,7 +63,10 @@ class HeadConfig:
         layer_config: the target's transformers config as a dict with ``num_hidden_layers=1``.
         target_name / target_revision: the target this head was trained for (informational; the
             platform's registry checks the revision).
-        fc_bias: whether fc has a bias (EAGLE-1: yes; EAGLE-3: no).
+        fc_bias: whether fc has a bias (the EAGLE-1 reference: yes; vLLM's ``eagle`` and EAGLE-3: no).
+        input_norm: whether the decoder layer applies its input RMSNorm to fc's output. The EAGLE-1
+            reference (``cnets1.py``) and vLLM's ``llama_eagle.py`` replace layer 0's input norm by the
+            identity (False); heads saved before this field existed keep it (the default, True).
     """
 
     hidden_size: int
@@ -74,11 +77,14 @@ class HeadConfig:
     target_name: str = "unknown"
     target_revision: str = "unknown"
     fc_bias: bool = True
+    input_norm: bool = True
     format: str = HEAD_FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def for_target(cls, target: "Target", draft_vocab_size: int | None = None) -> "HeadConfig":
+    def for_target(
+        cls, target: "Target", draft_vocab_size: int | None = None, *, fc_bias: bool = True, input_norm: bool = True
+    ) -> "HeadConfig":
         layer_config = target.config.to_dict()
         layer_config["num_hidden_layers"] = 1
         if "layer_types" in layer_config:  # hybrid configs list one type per layer; the head's layer is full attention
@@ -93,6 +99,8 @@ class HeadConfig:
             layer_config=layer_config,
             target_name=target.name,
             target_revision=target.revision,
+            fc_bias=fc_bias,
+            input_norm=input_norm,
         )
 
     def transformers_config(self):
@@ -114,6 +122,8 @@ class EagleHead(nn.Module):
         adapter = adapter_for(layer_config)
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList([adapter.decoder_layer_cls()(layer_config, layer_idx=0)])
+        if not config.input_norm:
+            self.layers[0].input_layernorm = nn.Identity()
         self.rotary_emb = adapter.rotary_cls()(layer_config)
         self.reduced_vocab = config.draft_vocab_size != config.vocab_size
         if self.reduced_vocab:
@@ -131,10 +141,13 @@ class EagleHead(nn.Module):
         *,
         seed: int | None = 0,
         draft_token_ids: torch.Tensor | None = None,
+        fc_bias: bool = True,
+        input_norm: bool = True,
     ) -> "EagleHead":
-        """An untrained head for ``target`` (fixed ``seed``), optionally with a reduced draft vocabulary."""
+        """An untrained head for ``target`` (fixed ``seed``), optionally with a reduced draft vocabulary;
+        ``fc_bias`` / ``input_norm`` as in ``HeadConfig`` (both False: the layout vLLM's ``eagle`` builds)."""
         draft_vocab_size = None if draft_token_ids is None else int(draft_token_ids.numel())
-        config = HeadConfig.for_target(target, draft_vocab_size)
+        config = HeadConfig.for_target(target, draft_vocab_size, fc_bias=fc_bias, input_norm=input_norm)
         devices = [target.device] if target.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             if seed is not None:
@@ -222,26 +235,29 @@ class EagleHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: "Target") -> "EagleHead":
-        """Load a head directory (safetensors only) and attach it to ``target``."""
+        """Load a head directory (safetensors only) and attach it to ``target``: ours, or an EAGLE-1 head in
+        the SafeAILab / vLLM / SGLang layout (``eagle.formats``)."""
+        from eagle import formats
+
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        if not config_path.is_file() or not weights_path.is_file():
-            raise EagleError(f"{directory} is not a head directory: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-        try:
-            raw = json.loads(config_path.read_text())
-            config = HeadConfig(**raw)
-        except (json.JSONDecodeError, TypeError) as err:
-            raise EagleError(f"{config_path} is not a valid head config: {err}") from None
-        if config.format != HEAD_FORMAT:
-            raise EagleError(f"{config_path}: unsupported head format {config.format!r} (expected {HEAD_FORMAT!r})")
-        check_compatible(config, target)
+        if config_path.is_file() and not formats.is_native(directory):  # a SafeAILab / vLLM / SGLang layout
+            config, state = formats.read_foreign(directory)
+        else:
+            if not config_path.is_file() or not weights_path.is_file():
+                raise EagleError(f"{directory} is not a head directory: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
+            try:
+                config = HeadConfig(**json.loads(config_path.read_text()))
+            except (json.JSONDecodeError, TypeError) as err:
+                raise EagleError(f"{config_path} is not a valid head config: {err}") from None
+            state = load_file(str(weights_path))
+        check_compatible(config, target)  # before the head is allocated
         check_revision(str(directory), config.target_revision, target)
-        head = cls(config)
-        state = load_file(str(weights_path))
+        head = cls(config).to(device=target.device, dtype=target.dtype)  # the file's values cast once, to the target's dtype
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise EagleError(f"{weights_path}: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-        return head.to(device=target.device, dtype=target.dtype).attach(target)
+            raise EagleError(f"{directory}: missing keys {list(missing)[:5]}, unexpected keys {list(unexpected)[:5]}")
+        return head.attach(target)
 
 
 class LeanHead(nn.Module):

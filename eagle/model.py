@@ -135,9 +135,11 @@ class LeanLayer(nn.Module):
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        # an EAGLE-1 head's layer may skip its input norm (``HeadConfig.input_norm``): an nn.Identity here
+        self.skip_input_norm = isinstance(self.input_norm, nn.Identity)
         self.q_norm = getattr(attention, "q_norm", None)  # qwen3: RMSNorm over each head
         self.k_norm = getattr(attention, "k_norm", None)
-        self.eps = float(getattr(self.input_norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6)))
+        self.eps = float(getattr(self.post_norm, "variance_epsilon", getattr(config, "rms_norm_eps", 1e-6)))
         self.scale = float(getattr(attention, "scaling", self.shape.head_dim**-0.5))
 
     def forward(
@@ -153,7 +155,7 @@ class LeanLayer(nn.Module):
         """The layer's output residual stream ``[B, q, hidden]``; writes this step's keys and values."""
         batch, q, _ = residual.shape
         shape = self.shape
-        x = rms_norm(residual, self.input_norm.weight, self.eps)
+        x = residual if self.skip_input_norm else rms_norm(residual, self.input_norm.weight, self.eps)
         query = self.q_proj(x).view(batch, q, shape.heads, shape.head_dim)
         key = self.k_proj(x).view(batch, q, shape.kv_heads, shape.head_dim)
         value = self.v_proj(x).view(batch, q, shape.kv_heads, shape.head_dim).transpose(1, 2)

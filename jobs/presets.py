@@ -77,6 +77,10 @@ class TrainConfig:
     w_feature: float = 1.0
     w_token: float = 0.1
     draft_vocab_size: int | None = 16384  # None = the full target vocabulary
+    # the head's layout (eagle.head.HeadConfig); both False is what vLLM's and SGLang's EAGLE-1 loaders build,
+    # so the head can be exported to them (``eaglectl head export``)
+    fc_bias: bool = False
+    input_norm: bool = False
     autocast_bf16: bool = True  # bf16 compute, fp32 master weights
     rollout_depth: int = 1  # >1: also train on the head's own predicted features (EAGLE-3 training-time test)
     metrics_depth: int = 5  # per-depth top-1 accuracy and simulated acceptance on held-out records

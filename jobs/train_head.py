@@ -135,7 +135,9 @@ def _train_loop(config: dict[str, Any]) -> None:
     target = load_target(config["target_spec"], dtype="bfloat16" if train.autocast_bf16 else "float32", device=str(device))
     target.model.requires_grad_(False)
     draft_ids = _draft_vocab(storage, target, train.draft_vocab_size)
-    head = EagleHead.for_target(target, seed=train.seed, draft_token_ids=draft_ids).to(torch.float32)
+    head = EagleHead.for_target(
+        target, seed=train.seed, draft_token_ids=draft_ids, fc_bias=train.fc_bias, input_norm=train.input_norm
+    ).to(torch.float32)
 
     stage = layout.DATA if train.online else layout.FEATURES
     records = _load_records(storage, "train", stage, rank, world)

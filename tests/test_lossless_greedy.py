@@ -28,7 +28,8 @@ TREES: dict[str, TreeSpec] = {
     "dynamic": DynamicTree(),
     "dynamic-wide": DynamicTree(depth=3, top_k=8, total_tokens=40),
 }
-HEADS = ("untrained", "good", "wrong")
+# "vllm-layout": no fc bias and no input norm on the head's layer (HeadConfig), what training jobs build
+HEADS = ("untrained", "vllm-layout", "good", "wrong")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -47,6 +48,8 @@ def _head(arch: str, kind: str) -> EagleHead:
     target = _target(arch)
     if kind == "untrained":
         return EagleHead.for_target(target, seed=0)
+    if kind == "vllm-layout":
+        return EagleHead.for_target(target, seed=0, fc_bias=False, input_norm=False)
     if kind == "good":
         return good_head(target)
     return wrong_head(target)

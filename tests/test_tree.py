@@ -113,12 +113,13 @@ def test_compacted_cache_equals_fresh_prefill_of_accepted_tokens(model_type):
         torch.testing.assert_close(got[:, :, :length], want[:, :, :length], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("layout", [{}, {"fc_bias": False, "input_norm": False}], ids=["default", "vllm-layout"])
 @pytest.mark.parametrize("tree_spec", [StaticTree(), DynamicTree(depth=4, top_k=3, total_tokens=10), HybridTree(DynamicTree(depth=3, top_k=2, total_tokens=6))])
-def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec):
+def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec, layout):
     """After every step the target cache's committed slots hold exactly the committed tokens' keys and
     values, and the head cache's equal a fresh head prefill over the target's true features of them."""
     target = tiny_target("llama", logit_scale=4.0)
-    head = EagleHead.for_target(target, seed=2)
+    head = EagleHead.for_target(target, seed=2, **layout)
     decoder = Decoder(target, head, tree_spec)
     config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
     prompt = PROMPT + PROMPT[:4]  # a repeat, so a hybrid tree finds an n-gram branch
