@@ -36,6 +36,9 @@ class Conversation:
 
     id: str
     turns: tuple[tuple[str, str], ...]
+    # The last (assistant) turn was cut off before the speaker ended it: a regenerated answer that hit its
+    # token cap without EOS. It is rendered without the end-of-turn marker the target never produced.
+    unfinished: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,20 +140,36 @@ def split(conversations: Iterable[Conversation], eval_fraction: float = 0.02) ->
 
 def tokenize(tokenizer, conversation: Conversation, max_length: int | None = None) -> TokenizedConversation:
     """Render with the chat template; ``loss_mask`` marks the tokens of each assistant turn's content and
-    its end-of-turn marker, found by rendering the conversation up to and through each assistant turn."""
+    its end-of-turn marker, found by rendering the conversation up to and through each assistant turn.
+
+    An ``unfinished`` conversation's last answer is rendered as the target produced it: the generation
+    prompt followed by the answer, with no end-of-turn marker (and nothing after it).
+    """
     if not getattr(tokenizer, "chat_template", None):
         raise EagleError("the target's tokenizer has no chat template")
+    if conversation.unfinished and (not conversation.turns or conversation.turns[-1][0] != "assistant"):
+        raise EagleError(f"conversation {conversation.id!r} is marked unfinished but does not end on an answer")
     messages = [{"role": role, "content": text} for role, text in conversation.turns]
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
+
+    def prompt_for(index: int) -> str:  # the rendering up to turn ``index``, ready for the assistant
+        return tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
+
+    last = len(messages) - 1
+
+    def through(index: int) -> str:  # the rendering through turn ``index``, up to its end-of-turn marker
+        if conversation.unfinished and index == last:
+            return prompt_for(index) + messages[index]["content"]
+        return tokenizer.apply_chat_template(messages[: index + 1], tokenize=False).rstrip()
+
+    full = through(last) if conversation.unfinished else tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []  # character spans of assistant content in the full rendering
     for index, (role, _) in enumerate(conversation.turns):
         if role != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:index], tokenize=False, add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
-        if not full.startswith(before) or not full.startswith(through):
+        before, rendered = prompt_for(index), through(index)
+        if not full.startswith(before) or not full.startswith(rendered):
             raise EagleError("the chat template does not render conversations prefix by prefix")
-        spans.append((len(before), len(through.rstrip())))
+        spans.append((len(before), len(rendered)))
     encoding = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
     loss_mask = [int(any(start < end_ and end > start_ for start_, end_ in spans)) for start, end in encoding["offset_mapping"]]

@@ -182,14 +182,17 @@ def regenerate_conversations(
 
     Keeps the first ``config.regen_turns`` user turns; turn ``k`` is asked after the target's answers to
     turns ``1..k-1``. A conversation stops at a turn whose prompt leaves no room under ``max_length`` or
-    whose answer is empty; one with no answer at all is dropped. ``torch.manual_seed(seed)`` first, so a
-    sampled shard is reproducible.
+    whose answer is empty; one with no answer at all is dropped. It also stops after an answer that hit the
+    token cap before EOS: that answer is kept, and the conversation is marked ``unfinished`` so that it is
+    rendered without the end-of-turn marker the target never produced (a later turn would follow a marker
+    the target did not say). ``torch.manual_seed(seed)`` first, so a sampled shard is reproducible.
     """
     torch.manual_seed(seed)
     tokenizer = target.tokenizer
     questions = [[text for role, text in conv.turns if role == "user"][: config.regen_turns] for conv in conversations]
     histories: list[list[dict[str, str]]] = [[] for _ in conversations]
     open_ = set(range(len(conversations)))  # conversations still being answered
+    unfinished: set[int] = set()  # conversations whose last answer was cut at the token cap
     answers = answer_tokens = 0
     started = time.perf_counter()
     for turn in range(config.regen_turns):
@@ -221,9 +224,12 @@ def regenerate_conversations(
                 continue
             answers += 1
             histories[index] = messages + [{"role": "assistant", "content": text}]
+            if tokens[-1] not in target.eos_token_ids:  # cut at the token cap: the target had not finished
+                unfinished.add(index)
+                open_.discard(index)
     regenerated = [
-        Conversation(conv.id, tuple((m["role"], m["content"]) for m in history))
-        for conv, history in zip(conversations, histories)
+        Conversation(conv.id, tuple((m["role"], m["content"]) for m in history), unfinished=index in unfinished)
+        for index, (conv, history) in enumerate(zip(conversations, histories))
         if history
     ]
     return regenerated, RegenStats(answers, answer_tokens, time.perf_counter() - started)

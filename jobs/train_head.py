@@ -16,10 +16,12 @@ What one run does:
    and report them with ``ray.train.report``: Ray merges the ranks' files into one checkpoint. A worker
    that dies is restarted by ``FailureConfig`` and resumes from the last checkpoint; rerunning with the
    same run name resumes too (Ray Train restores its checkpoint list from the run's storage folder).
-4. Rank 0 logs loss parts, per-depth top-1 accuracy and a simulated acceptance length on held-out records
-   to MLflow as it goes. When the run succeeds, the driver logs the head (safetensors + config.json) to
-   the run and registers it as a version of ``<target>-eagle`` with alias ``candidate``, linked to the
-   target's own registered version. A failed run is marked FAILED and registers nothing.
+4. Rank 0 tags the run with the ZeRO stage DeepSpeed's engine reports it runs and the class of the
+   optimizer it built (``deepspeed.zero_stage``, ``deepspeed.optimizer``; the param ``train.zero_stage`` is
+   what was asked for), and logs loss parts, per-depth top-1 accuracy and a simulated acceptance length on
+   held-out records to MLflow as it goes. When the run succeeds, the driver logs the head (safetensors +
+   config.json) to the run and registers it as a version of ``<target>-eagle`` with alias ``candidate``,
+   linked to the target's own registered version. A failed run is marked FAILED and registers nothing.
 
 DeepSpeed checkpoints are DeepSpeed's own files, read back only from this run's storage folder; the head a
 user receives is ``model.safetensors`` + ``config.json`` (never a pickle).
@@ -184,6 +186,8 @@ def _train_loop(config: dict[str, Any]) -> None:
         logger.info("rank %d resumed from the checkpoint at step %d", rank, step)
 
     tracker = _Tracker(config) if rank == 0 else None
+    if tracker:  # what DeepSpeed runs, read from the engine (tags: a resumed run sets them again)
+        tracker.tag({"deepspeed.zero_stage": engine.zero_optimization_stage(), "deepspeed.optimizer": type(engine.optimizer).__name__})
     if tracker and resumed_from:
         tracker.log({"resumed_from_step": resumed_from}, step)
     if rank == 0:
@@ -277,6 +281,13 @@ class _Tracker:
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
         # an MLflow restart while training is waited out (bounded) instead of failing the worker
         with_retries(lambda: self.runs.log_metrics(self.run_id, clean, step=step), within_s=RETRY_S, what="logging metrics")
+
+    def tag(self, tags: dict[str, Any]) -> None:
+        if self.runs is None:
+            return
+        from eagle_platform.registry import with_retries
+
+        with_retries(lambda: self.runs.set_tags(self.run_id, tags), within_s=RETRY_S, what="tagging the run")
 
 
 # ---- the driver -------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -39,45 +40,76 @@ def _evaluate(args: list[str], uri: str, timeout: float = 600) -> subprocess.Com
     return subprocess.run([sys.executable, "-m", "jobs.evaluate", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _production_version(client: MlflowClient) -> str | None:
+    try:
+        return client.get_model_version_by_alias("smollm2-135m-eagle", "production").version
+    except Exception:  # no version holds the alias yet
+        return None
+
+
+def _evaluate_on_report(report: dict, promote_tau: float, uri: str, tmp_path: Path, monkeypatch, capsys) -> tuple[int, dict]:
+    """jobs.evaluate run in this process with its bench replaced by ``report`` (an earlier run's): the job's
+    promotion decision on a measured tau, without benching again. Returns (exit code, summary)."""
+    import jobs.evaluate as job
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("RAY_ADDRESS", "")  # a private local Ray instance, as when run directly
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(job, "_bench", lambda settings: report)  # a closure: Ray ships it by value
+    capsys.readouterr()
+    code = job.main(
+        ["--head", "models:/smollm2-135m-eagle@candidate", "--dtype", "float32", "--promote-tau", repr(promote_tau),
+         "--out", str(tmp_path / f"rebench-{promote_tau!r}.json")]
+    )
+    out = capsys.readouterr().out.strip().splitlines()
+    return code, json.loads(out[-1]) if out else {}
+
+
 @pytest.mark.slow
-def test_evaluate_logs_to_the_training_run_and_promotes(smollm2, mlflow_server, tmp_path):
+def test_evaluate_logs_to_the_training_run_and_promotes_only_at_the_gate(smollm2, mlflow_server, tmp_path, monkeypatch, capsys):
+    """One real evaluation with a gate no head can reach (tau <= tree depth + 1): logged, not promoted, not an
+    error. Its measured report then drives the job's gate twice more: just above tau (not promoted) and at tau
+    (promoted, the gate is tau >= X)."""
+    client = MlflowClient(mlflow_server)
+    before = _production_version(client)  # the session's server: another module may have promoted a head
     run_id, version = _register_random_head(smollm2, tmp_path, mlflow_server)
     out = tmp_path / "bench.json"
     done = _evaluate(
         ["--head", "models:/smollm2-135m-eagle@candidate", "--prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
-         "--compile", "off", "--promote-tau", "1.0", "--out", str(out)],  # the compiled path has its own tests
+         "--compile", "off", "--promote-tau", "50.0", "--out", str(out)],  # the compiled path has its own tests
         mlflow_server,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["run_id"] == run_id and summary["version"] == version and summary["promoted"] is True
-    client = MlflowClient(mlflow_server)
+    assert summary["run_id"] == run_id and summary["version"] == version and summary["promoted"] is False
+    assert "< the promotion threshold 50.00" in done.stderr
     metrics = client.get_run(run_id).data.metrics
-    assert metrics["eval/float32-T0/tau"] >= 1.0 and metrics["eval/float32-T0/outputs_match_plain"] == 1.0  # fp32: exact
+    tau = metrics["eval/float32-T0/tau"]
+    assert 1.0 <= tau < 50.0 and metrics["eval/float32-T0/outputs_match_plain"] == 1.0  # fp32: exact
     assert metrics["eval/float32-T0/prompts"] == 2
-    assert client.get_model_version_by_alias("smollm2-135m-eagle", "production").version == version
+    assert _production_version(client) == before != version  # the alias did not move
     report = json.loads(out.read_text())
-    assert report["aggregate"]["prompts"] == 2
+    assert report["aggregate"]["prompts"] == 2 and report["aggregate"]["tau_mean"] == tau
     artifacts = [a.path for a in client.list_artifacts(run_id, "eval/float32-T0-dynamic")]
     assert artifacts, "the bench report was not logged to the run"
+
+    code, summary = _evaluate_on_report(report, math.nextafter(tau, math.inf), mlflow_server, tmp_path, monkeypatch, capsys)
+    assert (code, summary.get("promoted"), summary.get("version")) == (0, False, version)
+    assert _production_version(client) == before
+    code, summary = _evaluate_on_report(report, tau, mlflow_server, tmp_path, monkeypatch, capsys)
+    assert (code, summary.get("promoted"), summary.get("version")) == (0, True, version)
+    assert _production_version(client) == version
 
 
 def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothing(smollm2, mlflow_server, tmp_path):
     client = MlflowClient(mlflow_server)
     _register_random_head(smollm2, tmp_path, mlflow_server, revision="gguf-sha256:0123456789abcdef")
-    try:
-        before = client.get_model_version_by_alias("smollm2-135m-eagle", "production").version
-    except Exception:
-        before = None
+    before = _production_version(client)
     done = _evaluate(["--head", "models:/smollm2-135m-eagle@candidate", "--promote-tau", "0.0"], mlflow_server, timeout=120)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "revision" in lines[0], done.stderr
-    try:
-        after = client.get_model_version_by_alias("smollm2-135m-eagle", "production").version
-    except Exception:
-        after = None
-    assert after == before
+    assert _production_version(client) == before
 
 
 def test_the_alias_is_resolved_once_so_the_benched_version_is_the_promoted_one(smollm2, mlflow_server, tmp_path, monkeypatch):

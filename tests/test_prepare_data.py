@@ -18,11 +18,13 @@ from eagle.errors import EagleError
 from jobs import layout
 from jobs.prepare_data import (
     RegenStats,
+    ShardWork,
     chat_prompt,
     main,
     prepare,
     regenerate_conversations,
     trim_at_eos,
+    write_shard,
 )
 from jobs.presets import DataConfig, get_preset
 from jobs.storage import Storage, unpack_records
@@ -183,20 +185,59 @@ def test_regeneration_on_ray_workers_is_greedy_decoding_by_the_target(tmp_path, 
 def test_multi_turn_regeneration_answers_each_turn_after_its_own_previous_answer(smollm2):
     from eagle.data import Conversation
 
+    # questions SmolLM2 answers within 16 tokens (a cut answer ends its conversation: the next test)
     conversations = [
-        Conversation("a", (("user", "Name a colour."), ("assistant", "Blue."), ("user", "And a fruit?"), ("assistant", "Apple."))),
-        Conversation("b", (("user", "Say hi."), ("assistant", "Hi."), ("user", "Say bye."), ("assistant", "Bye."))),
+        Conversation("a", (("user", "What is 2+2?"), ("assistant", "4."), ("user", "What is the capital of France?"), ("assistant", "Paris."))),
+        Conversation("b", (("user", "Hi"), ("assistant", "Hi."), ("user", "Reply with one word: yes or no?"), ("assistant", "Yes."))),
     ]
-    config = DataConfig(max_length=256, regenerate=True, regen_turns=2, regen_max_new_tokens=6, regen_batch_size=2)
+    config = DataConfig(max_length=256, regenerate=True, regen_turns=2, regen_max_new_tokens=16, regen_batch_size=2)
     regenerated, stats = regenerate_conversations(smollm2, conversations, config, seed=0)
-    assert isinstance(stats, RegenStats) and stats.answers == 4 and stats.answer_tokens <= 4 * 6
+    assert isinstance(stats, RegenStats) and stats.answers == 4 and stats.answer_tokens <= 4 * 16
     tokenizer = smollm2.tokenizer
     for before, after in zip(conversations, regenerated, strict=True):
         assert [role for role, _ in after.turns] == ["user", "assistant", "user", "assistant"]
         assert (after.turns[0], after.turns[2]) == (before.turns[0], before.turns[2])
         messages = [{"role": role, "content": text} for role, text in after.turns[:3]]
-        expected = _greedy(smollm2, chat_prompt(tokenizer, messages), 6)
+        expected = _greedy(smollm2, chat_prompt(tokenizer, messages), 16)
+        assert expected[-1] in smollm2.eos_token_ids  # the premise: a finished answer
         assert after.turns[3][1] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert not after.unfinished
+
+
+def test_an_answer_cut_at_the_token_cap_is_written_without_an_end_of_turn_marker(tmp_path, smollm2):
+    """A regenerated answer that hit regen_max_new_tokens before EOS was never ended by the target: its record
+    must not append <|im_end|> (the head would learn to draft a token the target did not say), and no later
+    turn is asked after it. An answer that stopped at EOS keeps its <|im_end|>, inside the loss mask."""
+    from eagle.data import Conversation
+
+    conversations = [
+        Conversation("finished", (("user", "What is the capital of France?"), ("assistant", "x"))),
+        Conversation("cut", (("user", "Write a long essay about the history of the Roman Empire."), ("assistant", "x"), ("user", "Hi"), ("assistant", "x"))),
+    ]
+    cap = 16
+    config = DataConfig(max_length=256, regenerate=True, regen_turns=2, regen_max_new_tokens=cap, regen_batch_size=2)
+    regenerated, _ = regenerate_conversations(smollm2, conversations, config, seed=0)
+    tokenizer, eos = smollm2.tokenizer, smollm2.eos_token_ids
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    expected = [_greedy(smollm2, chat_prompt(tokenizer, [{"role": "user", "content": c.turns[0][1]}]), cap) for c in conversations]
+    assert expected[0][-1] in eos and expected[1][-1] not in eos and len(expected[1]) == cap  # the premise
+    by_id = {c.id: c for c in regenerated}
+    assert (by_id["finished"].unfinished, by_id["cut"].unfinished) == (False, True)
+    assert [role for role, _ in by_id["cut"].turns] == ["user", "assistant"]  # "Hi" is not asked after the cut
+
+    shard = ShardWork("train", 0, tuple(conversations), seed=0)
+    storage = Storage(str(tmp_path))
+    assert write_shard(storage, shard, regenerated, tokenizer, config, "sha256:test") == 2
+    ids = json.loads(storage.read_tensor_metadata(shard.rel)["ids"])
+    records = dict(zip(ids, unpack_records(storage.read_tensors(shard.rel)), strict=True))
+    for conv_id, answer in zip(("finished", "cut"), expected, strict=True):
+        input_ids, mask = records[conv_id]["input_ids"].tolist(), records[conv_id]["loss_mask"].tolist()
+        [run] = _assistant_runs(records[conv_id])
+        assert tokenizer.decode(run, skip_special_tokens=True) == tokenizer.decode(answer, skip_special_tokens=True)
+        if conv_id == "finished":
+            assert run[-1] == im_end and input_ids.count(im_end) == 3  # system, user and the answer each end
+        else:  # the record ends on the answer's last token, as the target left it
+            assert im_end not in run and mask[-1] == 1 and input_ids.count(im_end) == 2
 
 
 def test_prompts_that_leave_no_room_are_dropped(smollm2):

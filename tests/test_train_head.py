@@ -21,6 +21,7 @@ from mlflow import MlflowClient
 
 from eagle.head import EagleHead
 from jobs import layout
+from jobs.presets import get_preset
 from tests.feature_data import write_feature_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,10 +112,25 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert run.info.status == "FINISHED"
     resumed = _history(client, result["run_id"], "resumed_from_step")
     assert resumed and resumed[0].value >= 5, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
-    assert _history(client, result["run_id"], "loss")[-1].step == 30
+    loss = _history(client, result["run_id"], "loss")
+    assert loss[0].step == 1 and loss[-1].step == 30
     eval_tau = _history(client, result["run_id"], "eval_sim_tau")
     assert eval_tau and 1.0 <= eval_tau[-1].value <= 6.0
     assert {f"eval_acc_{d}" for d in range(1, 6)} <= set(run.data.metrics)
+
+    # the head learned: the training loss fell from the untrained head's (step 1, before any update), and the
+    # held-out top-1 and simulated acceptance at the end beat the first evaluation's (the first checkpoint)
+    curves = {k: [(m.step, round(m.value, 4)) for m in _history(client, result["run_id"], k)] for k in ("loss", "eval_acc_1", "eval_sim_tau")}
+    assert loss[-1].value < 0.8 * loss[0].value, curves
+    eval_acc = _history(client, result["run_id"], "eval_acc_1")
+    assert eval_acc[0].step < eval_acc[-1].step == 30 and eval_acc[-1].value > eval_acc[0].value, curves
+    assert eval_tau[-1].value > eval_tau[0].value, curves
+
+    # the ZeRO stage DeepSpeed's engine ran, as rank 0 read it from the engine (not the job's echo of the preset)
+    configured = get_preset("quick").train.zero_stage
+    assert configured > 0 and run.data.params["train.zero_stage"] == str(configured)  # 0 is also what "no ZeRO" reads
+    assert run.data.tags["deepspeed.zero_stage"] == str(configured)
+    assert run.data.tags["deepspeed.optimizer"] == ("DeepSpeedZeroOptimizer_Stage3" if configured == 3 else "DeepSpeedZeroOptimizer")
 
     # registered beside its target, alias candidate, loadable as a head of that target
     version = client.get_model_version_by_alias("smollm2-135m-eagle", "candidate")
