@@ -14,7 +14,10 @@ The EAGLE-1 layouts, as read in each project's source:
   ``num_hidden_layers: 1``; vLLM wraps it in ``EAGLEConfig`` and prefixes the architecture with ``Eagle``
   (``vllm/transformers_utils/configs/eagle.py``). Only Llama layers are registered for it.
 - ``sglang``: SGLang's ``LlamaForCausalLMEagle`` (``python/sglang/srt/models/llama_eagle.py``): the same keys,
-  layer 0 without its input norm, ``fc`` with a bias when ``config.bias`` is true.
+  layer 0 without its input norm; ``fc`` is always built with a bias (``config.bias`` is not read), so a head
+  without one is written with a zero ``fc.bias``; its embedding and LM head are replaced by the target's
+  (``EAGLEWorker.set_embed_and_head``); ``architectures`` must name ``LlamaForCausalLMEagle`` (vLLM would
+  rename that to a class it lacks, so one ``config.json`` cannot serve both).
 - ``eagle``: SafeAILab EAGLE-1 (``eagle/model/cnets1.py``, ``ea_model.py``): the same keys; ``fc`` has a bias
   unless ``config.json`` says ``"bias": false``; layer 0 has no ``input_layernorm``.
 
@@ -122,6 +125,8 @@ def export_head(source: str | Path, dest: str | Path, fmt: str) -> Path:
         new = EAGLE1_RENAMES.get(key, key)
         if new is not None:
             renamed[new] = tensor.contiguous()
+    if fmt == "sglang" and "fc.bias" not in renamed:  # SGLang builds fc with a bias whatever the config says
+        renamed["fc.bias"] = torch.zeros(config.hidden_size, dtype=renamed["fc.weight"].dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
@@ -145,7 +150,9 @@ def _foreign_config(config: HeadConfig, fmt: str, state: dict[str, torch.Tensor]
         vocab_size=config.vocab_size,
         torch_dtype=str(state["fc.weight"].dtype).removeprefix("torch."),
     )
-    layer["bias"] = config.fc_bias  # SGLang's and EAGLE's loaders read fc's bias from here
+    layer["bias"] = config.fc_bias or fmt == "sglang"  # SafeAILab EAGLE reads fc's bias from here (default true)
+    if fmt == "sglang":
+        layer["tie_word_embeddings"] = False  # SGLang ties the head's lm_head to its embedding otherwise
     layer[PROVENANCE_KEY] = {"target_name": config.target_name, "target_revision": config.target_revision, "format": HEAD_FORMAT}
     return layer
 
