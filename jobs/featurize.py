@@ -9,7 +9,7 @@ What it does (layout: ``jobs/layout.py``):
    manifest ``<storage>/<target>/<dataset>/data/manifest.json`` exists and names the same target revision
    and tokenizer fingerprint, the storage root is writable. Any of these -> one line, exit 2.
 2. Runs ``workers`` Ray Train workers (``TorchTrainer``; gloo on CPU, nccl on GPU). Each builds the frozen
-   target under DeepSpeed ZeRO-3 (:func:`load_frozen_target_zero3`): the weights are *partitioned* across
+   target under DeepSpeed ZeRO-3 (``jobs.frozen_target.load_frozen_target_zero3``): the weights are *partitioned* across
    the ranks (each holds ~1/N of every parameter) and gathered one module at a time during the forward.
    ZeRO-3 all-gathers are collective, so every rank runs the same number of forward passes: pending shards
    go round-robin to the ranks and each step all ranks agree (one all-reduce of a flag) whether anyone still
@@ -23,8 +23,9 @@ What it does (layout: ``jobs/layout.py``):
    (and recomputes one whose metadata names another target revision, dtype or data manifest).
 4. The driver writes ``features/manifest.json`` (``eagle-features/1``) last.
 
-Reading features back for training: :func:`read_feature_manifest`, :func:`iter_feature_records`,
-:func:`load_feature_split`. Online training reuses :func:`load_frozen_target_zero3` and :class:`FeatureExtractor`.
+Reading features back for training: ``jobs.layout.iter_records`` / ``load_records`` (the one reader of
+every stage's shards, the trainer's too). The frozen target under ZeRO-3 (``load_frozen_target_zero3``,
+``FeatureExtractor``) is in ``jobs/frozen_target.py``.
 """
 
 from __future__ import annotations
@@ -38,15 +39,15 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch import nn
 
 from eagle.errors import EagleError
 from jobs import layout
 from eagle.target import cache_root
 from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
+from jobs.frozen_target import DTYPES, aux_layer_indices, load_frozen_target_zero3, partition_numel, resident_numel, zero3_config
 from jobs.presets import Preset, get_preset
 from jobs.storage import Storage
 
@@ -62,165 +63,11 @@ FORWARDED_ENV = (
 # on a real cluster (``ray job submit``) workers take them from their own environment or instance role, so
 # secrets never travel through the job's config.
 FORWARDED_LOCAL_SECRETS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The frozen target under ZeRO-3 (reused by online training)
-# ---------------------------------------------------------------------------------------------------------
-
-
-def aux_layer_indices(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high layers: the hidden states entering decoder layers ``2, L//2, L-3``
-    (as the reference implementation collects them), clamped to ``[0, L-1]`` for very shallow models.
-    Index ``i`` equals transformers' ``hidden_states[i]`` (0 = the embeddings)."""
-    return tuple(max(0, min(num_layers - 1, i)) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
-
-
-class FeatureExtractor(nn.Module):
-    """Wraps a Hugging Face causal LM; ``forward`` runs only its backbone (no LM-head logits) and returns
-    ``(features [b, q, h], aux [b, q, 3h] | None)``.
-
-    The whole causal LM stays a submodule, so under ZeRO-3 its embedding and LM head are partitioned like
-    everything else (gather them with ``deepspeed.zero.GatheredParameters`` when a trainer needs them).
-    Calling the wrapper (or the DeepSpeed engine around it) rather than ``lm.model`` directly matters: ZeRO-3
-    resets its parameter-fetch trace in a pre-forward hook on the root module it was given.
-    """
-
-    def __init__(self, lm: nn.Module, aux_layers: Sequence[int] | None = None) -> None:
-        super().__init__()
-        self.lm = lm
-        self.aux_layers = tuple(aux_layers) if aux_layers else ()
-        self._captured: dict[int, torch.Tensor] = {}
-        backbone = self.backbone
-        for index in sorted(set(self.aux_layers)):
-            backbone.layers[index].register_forward_pre_hook(self._capture_hook(index), with_kwargs=True)
-
-    @property
-    def backbone(self) -> nn.Module:
-        return self.lm.get_decoder() if hasattr(self.lm, "get_decoder") else self.lm.model
-
-    def _capture_hook(self, index: int):
-        def hook(module, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]
-            self._captured[index] = hidden
-            return None
-
-        return hook
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-        self._captured.clear()
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        aux = None
-        if self.aux_layers:
-            aux = torch.cat([self._captured[i] for i in self.aux_layers], dim=-1)
-            self._captured.clear()
-        return out.last_hidden_state, aux
-
-
-def zero3_config(dtype: str, *, stage: int = 3, persistence_threshold: int | None = None) -> dict[str, Any]:
-    """A DeepSpeed config for a frozen (inference-only) model: ZeRO stage ``stage``, no optimizer; the
-    parameter dtype comes from the ``bf16``/``fp16`` sections (fp32 when neither is enabled)."""
-    zero: dict[str, Any] = {"stage": stage}
-    if persistence_threshold is not None:
-        zero["stage3_param_persistence_threshold"] = persistence_threshold
-    return {
-        "train_micro_batch_size_per_gpu": 1,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": zero,
-        "bf16": {"enabled": dtype == "bfloat16"},
-        "fp16": {"enabled": dtype == "float16"},
-        "steps_per_print": 1 << 30,
-        "wall_clock_breakdown": False,
-    }
-
-
-def load_frozen_target_zero3(
-    hf_dir: str | os.PathLike,
-    dtype: str,
-    ds_config: dict[str, Any] | None = None,
-    *,
-    aux_layers: Sequence[int] | None = None,
-    device: torch.device | str | None = None,
-):
-    """Load a causal LM from ``hf_dir`` frozen and partitioned across the current process group with
-    DeepSpeed ZeRO-3; return the DeepSpeed engine around a :class:`FeatureExtractor`.
-
-    ``torch.distributed`` must already be initialised (Ray Train's ``TorchConfig`` does it). How the load
-    stays partitioned with transformers 5.x: while an ``HfDeepSpeedConfig`` with stage 3 is alive,
-    ``is_deepspeed_zero3_enabled()`` is true, so ``from_pretrained`` constructs the model inside
-    ``deepspeed.zero.Init`` (every parameter is split into 1/N ``ds_tensor`` partitions as it is created)
-    and copies the checkpoint in module by module: rank 0 reads the safetensors, the others only see
-    shapes (``meta``), each module is gathered, written on rank 0 and re-partitioned. ``deepspeed.initialize``
-    with stage 3 and no optimizer then installs the fetch/release hooks (``DeepSpeedZeRoOffload``) that
-    all-gather a module's weights just before its forward and free them after. ``deepspeed.init_inference``
-    cannot do this (it replicates or tensor-slices, never ZeRO-3 partitions).
-
-    With ``ds_config["zero_optimization"]["stage"] == 0`` the model is loaded whole on every rank (plain
-    data parallel, no DeepSpeed), which suits targets that fit one device.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if dtype not in _DTYPES:
-        raise EagleError(f"unknown feature dtype {dtype!r}: expected one of {', '.join(_DTYPES)}")
-    ds_config = ds_config or zero3_config(dtype)
-    stage = int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    kwargs = dict(dtype=_DTYPES[dtype], local_files_only=True, use_safetensors=True, attn_implementation="sdpa")
-    if stage == 0:
-        lm = AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
-        lm.requires_grad_(False)
-        module = FeatureExtractor(lm.eval(), aux_layers)
-        return module.to(device) if device is not None else module
-    if stage != 3:
-        raise EagleError(f"a frozen target is partitioned with ZeRO stage 3 (or replicated with 0), not {stage}")
-
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    # transformers keeps only a weak reference: this object must stay alive through from_pretrained.
-    hf_ds_config = HfDeepSpeedConfig(ds_config)
-    try:
-        lm = AutoModelForCausalLM.from_pretrained(hf_dir, **kwargs)
-    finally:
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-        unset_hf_deepspeed_config()
-        del hf_ds_config
-    lm.requires_grad_(False)
-    module = FeatureExtractor(lm.eval(), aux_layers)
-    engine, *_ = deepspeed.initialize(model=module, config=ds_config)
-    engine.eval()
-    return engine
-
-
-def partition_numel(module: nn.Module) -> tuple[int, int]:
-    """(elements this rank holds, elements of the full model) for a ZeRO-3 module (or a plain one)."""
-    local = total = 0
-    for parameter in module.parameters():
-        if hasattr(parameter, "ds_tensor"):
-            local += int(parameter.ds_tensor.numel())
-            total += int(parameter.ds_numel)
-        else:
-            local += parameter.numel()
-            total += parameter.numel()
-    return local, total
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Shards
 # ---------------------------------------------------------------------------------------------------------
-
-
-def safetensors_metadata(data: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of safetensors bytes."""
-    size = int.from_bytes(data[:8], "little")
-    return json.loads(data[8 : 8 + size]).get("__metadata__", {}) or {}
-
-
-def shard_names(manifest: dict, split: str) -> list[str]:
-    """Shard names of one split in a data or features manifest (entries are names or ``{"name": ...}`` dicts)."""
-    entries = ((manifest.get("splits") or {}).get(split) or {}).get("shards") or []
-    return [entry["name"] if isinstance(entry, dict) else str(entry) for entry in entries]
 
 
 def batch_by_tokens(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
@@ -278,7 +125,7 @@ class _ShardWork:
         data = storage.read_bytes(f"{layout.DATA}/{split}/{name}")
         from safetensors.torch import load as st_load
 
-        self.meta = safetensors_metadata(data)
+        self.meta = layout.safetensors_metadata(data)
         self.tensors = st_load(data)
         offsets = self.tensors["offsets"].tolist()
         self.spans = list(zip(offsets[:-1], offsets[1:]))
@@ -287,7 +134,7 @@ class _ShardWork:
         self.batches = batch_by_tokens(lengths, config["batch_tokens"])
         self.done = 0
         hidden = config["hidden_size"]
-        dtype = _DTYPES[config["dtype"]]
+        dtype = DTYPES[config["dtype"]]
         self.features = torch.empty(self.tokens, hidden, dtype=dtype)
         self.aux = torch.empty(self.tokens, 3 * hidden, dtype=dtype) if config["aux_layers"] else None
 
@@ -355,7 +202,7 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
         torch.cuda.set_device(device)
 
     started = time.perf_counter()
-    ds_config = zero3_config(config["dtype"], stage=config["zero_stage"])
+    ds_config = zero3_config(config["dtype"], stage=config["zero_stage"], persistence_threshold=config.get("persistence_threshold"))
     model = load_frozen_target_zero3(
         config["hf_dir"], config["dtype"], ds_config, aux_layers=config["aux_layers"], device=device
     )
@@ -425,7 +272,7 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
     if pbar is not None:
         pbar.close()
     stats = {
-        "rank": rank, "local_numel": local_numel, "total_numel": total_numel, "written": written,
+        "rank": rank, "local_numel": local_numel, "total_numel": total_numel, "resident_numel": resident_numel(root), "written": written,
         "tokens": tokens_done, "seconds": seconds, "forwards": forwards, "dummy_forwards": dummy,
         "load_seconds": load_seconds, "threads": threads,
     }
@@ -455,16 +302,8 @@ def _load_tokenizer_fingerprint(hf_dir: Path) -> str:
 
 
 def _check_data_manifest(dataset: Storage, name: str, revision: str, fingerprint: str) -> tuple[dict, str]:
+    manifest = layout.read_manifest(dataset, layout.DATA)
     rel = f"{layout.DATA}/{layout.MANIFEST}"
-    if not dataset.exists(rel):
-        raise EagleError(f"no data at {dataset.url(rel)}: run jobs.prepare_data first")
-    raw = dataset.read_bytes(rel)
-    try:
-        manifest = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise EagleError(f"{dataset.url(rel)} is not valid JSON: {err}") from None
-    if manifest.get("format") != layout.DATA_FORMAT:
-        raise EagleError(f"{dataset.url(rel)} has format {manifest.get('format')!r}, expected {layout.DATA_FORMAT!r}")
     if manifest.get("target_revision") != revision:
         raise EagleError(
             f"the data at {dataset.url(layout.DATA)} was made for target revision {manifest.get('target_revision')!r}, "
@@ -475,9 +314,9 @@ def _check_data_manifest(dataset: Storage, name: str, revision: str, fingerprint
             f"the data at {dataset.url(layout.DATA)} was tokenised with {manifest.get('tokenizer')!r}, but target "
             f"{name!r} has tokenizer {fingerprint!r}: rerun jobs.prepare_data for this target"
         )
-    if not any(shard_names(manifest, split) for split in layout.SPLITS):
+    if not any(layout.shard_names(manifest, split) for split in layout.SPLITS):
         raise EagleError(f"{dataset.url(rel)} lists no shards")
-    return manifest, "sha256:" + hashlib.sha256(raw).hexdigest()
+    return manifest, "sha256:" + hashlib.sha256(dataset.read_bytes(rel)).hexdigest()
 
 
 def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None = None, progress: bool = True, verbose: bool = False) -> dict:
@@ -493,8 +332,8 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
 
     preset = get_preset(preset) if isinstance(preset, str) else preset
     cfg = preset.features
-    if cfg.dtype not in _DTYPES:
-        raise EagleError(f"unknown feature dtype {cfg.dtype!r}: expected one of {', '.join(_DTYPES)}")
+    if cfg.dtype not in DTYPES:
+        raise EagleError(f"unknown feature dtype {cfg.dtype!r}: expected one of {', '.join(DTYPES)}")
     if cfg.zero_stage not in (0, 3):
         raise EagleError(f"features need zero_stage 3 (partitioned target) or 0 (replicated), not {cfg.zero_stage}")
     if cfg.workers < 1 or cfg.batch_tokens < 1:
@@ -514,12 +353,13 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
     splits = [s for s in layout.SPLITS if (data_manifest.get("splits") or {}).get(s) is not None]
     config: dict[str, Any] = {
         "hf_dir": str(hf_dir), "dataset_uri": dataset.url(), "dtype": cfg.dtype, "zero_stage": cfg.zero_stage,
+        "persistence_threshold": cfg.persistence_threshold,
         "use_gpu": cfg.use_gpu, "batch_tokens": cfg.batch_tokens, "aux_layers": aux, "hidden_size": hidden_size,
         "target_revision": revision, "data_manifest_sha256": data_sha, "progress": progress, "verbose": verbose,
         "env": _forwarded_env(),
     }
     expected = _expected_meta(config)
-    all_shards = [(split, shard) for split in splits for shard in shard_names(data_manifest, split)]
+    all_shards = [(split, shard) for split in splits for shard in layout.shard_names(data_manifest, split)]
     pending = [
         (split, shard) for split, shard in all_shards
         if not _shard_is_current(dataset, f"{layout.FEATURES}/{split}/{shard}", expected)
@@ -580,7 +420,7 @@ def _build_manifest(dataset: Storage, splits, data_manifest, *, name, revision, 
     split_entries: dict[str, Any] = {}
     for split in splits:
         shards = []
-        for shard in shard_names(data_manifest, split):
+        for shard in layout.shard_names(data_manifest, split):
             rel = f"{layout.FEATURES}/{split}/{shard}"
             if not dataset.exists(rel):
                 raise EagleError(f"{dataset.url(rel)} is missing after the run")
@@ -601,6 +441,8 @@ def _build_manifest(dataset: Storage, splits, data_manifest, *, name, revision, 
         partition = {
             "total_numel": ranks[0]["total_numel"] if ranks else None,
             "per_rank_numel": [r["local_numel"] for r in ranks],
+            # held after the last forward (partitions + whatever stayed gathered: persistent small parameters)
+            "per_rank_resident_numel": [r.get("resident_numel") for r in ranks],
             "forwards": [r["forwards"] for r in ranks], "dummy_forwards": [r["dummy_forwards"] for r in ranks],
         }
     else:  # nothing computed in this run: keep what the run that computed them measured
@@ -630,53 +472,6 @@ def _build_manifest(dataset: Storage, splits, data_manifest, *, name, revision, 
 # ---------------------------------------------------------------------------------------------------------
 
 
-def read_feature_manifest(dataset: Storage) -> dict:
-    """The features manifest of a dataset root (``Storage(uri).child(target, dataset)``); ``EagleError``
-    when the feature stage has not completed there."""
-    rel = f"{layout.FEATURES}/{layout.MANIFEST}"
-    if not dataset.exists(rel):
-        raise EagleError(f"no features at {dataset.url(layout.FEATURES)}: run jobs.featurize first")
-    manifest = dataset.read_json(rel)
-    if manifest.get("format") != layout.FEATURES_FORMAT:
-        raise EagleError(f"{dataset.url(rel)} has format {manifest.get('format')!r}, expected {layout.FEATURES_FORMAT!r}")
-    return manifest
-
-
-def iter_feature_records(dataset: Storage, split: str, *, rank: int = 0, world: int = 1) -> Iterator[dict]:
-    """Yield the feature records of ``split``, reading one shard at a time (shards ``rank::world`` of the
-    manifest's list, so ranks of a trainer read disjoint shards).
-
-    Each record: ``input_ids`` int32 [n], ``loss_mask`` uint8 [n], ``features`` [n, hidden] in the
-    manifest's dtype (row t = the target's feature at token t), ``aux_features`` [n, 3*hidden] when made with
-    ``aux_layers``, and ``id`` when the shard's metadata carries a JSON list of record ids.
-    """
-    manifest = read_feature_manifest(dataset)
-    if split not in manifest["splits"]:
-        raise EagleError(f"the features at {dataset.url(layout.FEATURES)} have no {split!r} split")
-    shards = shard_names(manifest, split)[rank::world]
-    from safetensors.torch import load as st_load
-
-    for shard in shards:
-        data = dataset.read_bytes(f"{layout.FEATURES}/{split}/{shard}")
-        tensors = st_load(data)
-        ids = None
-        try:
-            ids = json.loads(safetensors_metadata(data).get("ids", "null"))
-        except (json.JSONDecodeError, TypeError):
-            ids = None
-        offsets = tensors.pop("offsets").tolist()
-        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
-            record = {k: v[a:b] for k, v in tensors.items()}
-            if isinstance(ids, list) and len(ids) == len(offsets) - 1:
-                record["id"] = ids[i]
-            yield record
-
-
-def load_feature_split(dataset: Storage, split: str, *, rank: int = 0, world: int = 1) -> list[dict]:
-    """All records of :func:`iter_feature_records` as a list (fine for CPU-sized datasets)."""
-    return list(iter_feature_records(dataset, split, rank=rank, world=world))
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------------------
@@ -686,7 +481,7 @@ def build_parser():
     parser = job_parser("jobs.featurize", "Frozen target -> feature shards (Ray Train workers, DeepSpeed ZeRO-3).")
     parser.add_argument("--workers", type=int, default=None, help="Ray workers (default: the preset's)")
     parser.add_argument("--aux-layers", action="store_true", default=None, help="also store EAGLE-3 low/mid/high hidden states")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="model and feature dtype (default: the preset's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model and feature dtype (default: the preset's)")
     parser.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per forward (default: the preset's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

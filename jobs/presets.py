@@ -53,6 +53,9 @@ class FeatureConfig:
     batch_tokens: int = 4096  # padded tokens per forward pass
     dtype: str = "bfloat16"  # model and stored-feature dtype
     aux_layers: bool = False  # also store EAGLE-3 low/mid/high hidden states
+    # ZeRO-3 keeps parameters of fewer elements than this whole on every rank after their first fetch
+    # (DeepSpeed's stage3_param_persistence_threshold; None = DeepSpeed's default, 1e5)
+    persistence_threshold: int | None = None
 
 
 @dataclass(frozen=True)

@@ -97,18 +97,6 @@ def _draft_vocab(storage, target, size: int | None):
     return draft_vocab_from_counts(counts, size, always=target.eos_token_ids)
 
 
-def _load_records(storage, split: str, stage: str, rank: int, world: int) -> list[dict]:
-    """This rank's records of ``split`` (shards round-robin across ranks)."""
-    from jobs.storage import unpack_records
-
-    names = [n for n in storage.list(stage, split) if n.endswith(".safetensors")]
-    mine = names[rank::world] if world > 1 and len(names) >= world else names
-    records: list[dict] = []
-    for name in mine:
-        records.extend(unpack_records(storage.read_tensors(f"{stage}/{split}/{name}")))
-    return records
-
-
 def _train_loop(config: dict[str, Any]) -> None:
     """One Ray Train worker (runs on every rank)."""
     import deepspeed
@@ -142,8 +130,8 @@ def _train_loop(config: dict[str, Any]) -> None:
     ).to(torch.float32)
 
     stage = layout.DATA if train.online else layout.FEATURES
-    records = _load_records(storage, "train", stage, rank, world)
-    eval_records = _load_records(storage, "eval", stage, 0, 1)[: config.get("eval_records", 16)] if rank == 0 else []
+    records = layout.load_records(storage, stage, "train", rank=rank, world=world)
+    eval_records = layout.load_records(storage, stage, "eval")[: config.get("eval_records", 16)] if rank == 0 else []
     lengths = [int(r["input_ids"].shape[0]) for r in records]
 
     # every rank must take the same number of optimizer steps: plan with the smallest per-rank epoch

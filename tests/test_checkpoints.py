@@ -39,7 +39,7 @@ def test_a_checkpoint_that_runs_code_is_refused_and_runs_nothing(tmp_path):
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_deepspeed_checkpoints_resume_through_the_safe_loader(tmp_path, stage):
     """A real DeepSpeed engine (gloo, one rank, in a subprocess) saves at ZeRO ``stage``, a new engine with
-    ``jobs.checkpoints.install`` loads it: the weights and optimizer step come back."""
+    ``jobs.checkpoints.install`` loads it: the weights, the step counter and the optimizer state come back."""
     script = textwrap.dedent(f"""
         import os, torch, deepspeed, torch.distributed as dist
         from jobs.checkpoints import install
@@ -63,6 +63,14 @@ def test_deepspeed_checkpoints_resume_through_the_safe_loader(tmp_path, stage):
             loaded = [p.detach().clone() for p in second.module.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(saved, loaded)), "weights differ after resume"
         assert second.global_steps == 3, second.global_steps
+        # the optimizer state (AdamW's moments, its step count) came back too: one more identical step on
+        # both engines lands on the same weights (fresh moments would take a different step)
+        for e in (first, second):
+            e.backward(e(torch.full((1, 8), 2.0)).sum()); e.step()
+        with deepspeed.zero.GatheredParameters(list(first.module.parameters()) + list(second.module.parameters())):
+            after = [(a.detach().clone(), b.detach().clone()) for a, b in zip(first.module.parameters(), second.module.parameters())]
+        assert all(torch.equal(a, b) for a, b in after), "optimizer state differs after resume"
+        assert not all(torch.equal(a, s) for (a, _), s in zip(after, saved)), "the extra step changed nothing"
         print("RESUMED")
     """)
     env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1"}

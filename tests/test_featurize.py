@@ -17,17 +17,11 @@ import pytest
 import torch
 
 from eagle.data import tokenizer_fingerprint
+from eagle.errors import EagleError
 from eagle.target import directory_revision, resolve_target
 from jobs import layout
-from jobs.featurize import (
-    aux_layer_indices,
-    batch_by_tokens,
-    featurize,
-    iter_feature_records,
-    load_feature_split,
-    main,
-    read_feature_manifest,
-)
+from jobs.featurize import batch_by_tokens, featurize, main
+from jobs.frozen_target import aux_layer_indices
 from jobs.presets import get_preset
 from jobs.storage import Storage, pack_records
 
@@ -89,7 +83,9 @@ def write_data(storage_uri: str, target_dir: Path, *, shards: dict[str, list[int
 
 
 def tiny_preset(**features):
-    settings = {"workers": 2, "zero_stage": 3, "dtype": "float32", "batch_tokens": 96, "aux_layers": True, **features}
+    # persistence_threshold 0: every parameter partitions (the tiny model's layers sit below DeepSpeed's default
+    # 1e5 elements and would stay whole on every rank, leaving only the embedding and LM head to split)
+    settings = {"workers": 2, "zero_stage": 3, "dtype": "float32", "batch_tokens": 96, "aux_layers": True, "persistence_threshold": 0, **features}
     preset = get_preset("quick").with_overrides(features=settings)
     import dataclasses
 
@@ -206,6 +202,9 @@ def test_zero3_partitions_the_target_across_the_two_ranks(run):
     assert len(per_rank) == 2
     for numel in per_rank:
         assert abs(numel - total / 2) <= 0.01 * total, (per_rank, total)
+    # and after the forward passes, not only at load: each rank holds its half and nothing stayed gathered
+    for resident in partition["per_rank_resident_numel"]:
+        assert abs(resident - total / 2) <= 0.01 * total, (partition["per_rank_resident_numel"], total)
     # every rank ran the same number of forward passes (real + dummy): the collectives stayed in step
     steps = [f + d for f, d in zip(partition["forwards"], partition["dummy_forwards"])]
     assert steps[0] == steps[1] and sum(partition["dummy_forwards"]) > 0
@@ -215,7 +214,7 @@ def test_zero3_partitions_the_target_across_the_two_ranks(run):
 def test_manifest_describes_the_features(run, tiny_dir):
     manifest = run["manifest"]
     dataset = dataset_of(run, tiny_dir)
-    assert dataset.read_json(f"{layout.FEATURES}/{layout.MANIFEST}") == manifest == read_feature_manifest(dataset)
+    assert dataset.read_json(f"{layout.FEATURES}/{layout.MANIFEST}") == manifest == layout.read_manifest(dataset, layout.FEATURES)
     assert manifest["format"] == layout.FEATURES_FORMAT
     assert manifest["target"] == tiny_dir.name and manifest["target_revision"] == directory_revision(tiny_dir)
     assert manifest["dtype"] == "float32" and manifest["hidden_size"] == 32 and manifest["layers"] == LAYERS
@@ -235,7 +234,7 @@ def test_sharded_features_equal_the_unsharded_model(run, tiny_dir):
     dataset = dataset_of(run, tiny_dir)
     aux = run["manifest"]["aux_layers"]
     for split in ("train", "eval"):
-        records = load_feature_split(dataset, split)
+        records = layout.load_records(dataset, layout.FEATURES, split)
         source = [r for (s, _), recs in sorted(run["data"].items()) if s == split for r in recs]
         assert len(records) == len(source)
         reference = reference_features(tiny_dir, source, aux)
@@ -250,10 +249,46 @@ def test_sharded_features_equal_the_unsharded_model(run, tiny_dir):
 
 @pytest.mark.slow  # shares the ~1 minute 2-worker run
 def test_trainer_ranks_read_disjoint_shards(run, tiny_dir):
+    """Through ``jobs.layout.iter_records``, the reader jobs.train_head calls on every rank."""
     dataset = dataset_of(run, tiny_dir)
-    rank0 = [r["id"] for r in iter_feature_records(dataset, "train", rank=0, world=2)]
-    rank1 = [r["id"] for r in iter_feature_records(dataset, "train", rank=1, world=2)]
+    rank0 = [r["id"] for r in layout.iter_records(dataset, layout.FEATURES, "train", rank=0, world=2)]
+    rank1 = [r["id"] for r in layout.iter_records(dataset, layout.FEATURES, "train", rank=1, world=2)]
     assert len(rank0) == 7 + 6 and len(rank1) == 5 and not set(rank0) & set(rank1)
+
+
+def _stage(tmp_path, shards: list[int]):
+    """A data stage of one split with ``shards[i]`` records in shard i (ids ``s<i>-<j>``) and its manifest."""
+    dataset = Storage(str(tmp_path))
+    names = []
+    for i, count in enumerate(shards):
+        records = [{"input_ids": torch.arange(3 + j, dtype=torch.int32), "loss_mask": torch.ones(3 + j, dtype=torch.uint8)} for j in range(count)]
+        ids = [f"s{i}-{j}" for j in range(count)]
+        dataset.write_tensors(f"{layout.DATA}/train/{layout.shard_name(i)}", pack_records(records), metadata={"ids": json.dumps(ids)})
+        names.append(layout.shard_name(i))
+    dataset.write_json(f"{layout.DATA}/{layout.MANIFEST}", {"format": layout.DATA_FORMAT, "splits": {"train": {"shards": names}}})
+    return dataset
+
+
+@pytest.mark.parametrize("shards, world", [([4, 3, 2], 2), ([4, 3, 2], 3), ([5], 2), ([2, 3], 4), ([1], 3)])
+def test_the_one_reader_gives_every_rank_disjoint_records_that_cover_the_split(tmp_path, shards, world):
+    dataset = _stage(tmp_path, shards)
+    per_rank = [[r["id"] for r in layout.iter_records(dataset, layout.DATA, "train", rank=rank, world=world)] for rank in range(world)]
+    everything = [r["id"] for r in layout.load_records(dataset, layout.DATA, "train")]
+    assert len(everything) == sum(shards)
+    assert sorted(sum(per_rank, [])) == sorted(everything)  # disjoint and complete
+    if sum(shards) >= world:
+        assert all(per_rank), per_rank  # no idle rank (fewer shards than ranks: records are shared out)
+    record = layout.load_records(dataset, layout.DATA, "train")[-1]  # sliced at its own offsets
+    assert record["id"] == f"s{len(shards) - 1}-{shards[-1] - 1}" and record["input_ids"].tolist() == list(range(2 + shards[-1]))
+
+
+def test_the_reader_refuses_a_missing_or_foreign_manifest(tmp_path):
+    dataset = Storage(str(tmp_path))
+    with pytest.raises(EagleError, match="run jobs.prepare_data first"):
+        layout.load_records(dataset, layout.DATA, "train")
+    dataset.write_json(f"{layout.FEATURES}/{layout.MANIFEST}", {"format": "eagle-features/0"})
+    with pytest.raises(EagleError, match="expected 'eagle-features/1'"):
+        layout.load_records(dataset, layout.FEATURES, "train")
 
 
 @pytest.mark.slow  # shares the ~1 minute 2-worker run

@@ -194,7 +194,7 @@ def test_s3_missing_bucket_is_a_storage_error(s3_endpoint):
 def test_featurize_reads_and_writes_s3(s3_endpoint, tmp_path_factory):
     """Data shards on s3:// -> 1 ZeRO-3 worker -> feature shards + manifest on s3://, read back and equal to
     the plain model's features."""
-    from jobs.featurize import featurize, load_feature_split, read_feature_manifest
+    from jobs.featurize import featurize
     from tests.test_featurize import DATASET, make_tiny_target_dir, reference_features, tiny_preset, write_data
 
     tiny_dir = make_tiny_target_dir(tmp_path_factory.mktemp("targets"))
@@ -203,10 +203,10 @@ def test_featurize_reads_and_writes_s3(s3_endpoint, tmp_path_factory):
     manifest = featurize(tiny_preset(workers=1, aux_layers=False), uri, target_spec=str(tiny_dir), progress=False)
 
     dataset = Storage(uri).child(tiny_dir.name, DATASET)
-    assert read_feature_manifest(dataset) == manifest
+    assert layout.read_manifest(dataset, layout.FEATURES) == manifest
     assert dataset.list(layout.FEATURES, "train") == ["shard-00000.safetensors", "shard-00001.safetensors"]
     assert manifest["splits"]["train"]["records"] == 5 and manifest["splits"]["eval"]["records"] == 2
-    records = load_feature_split(dataset, "train")
+    records = layout.load_records(dataset, layout.FEATURES, "train")
     source = [r for (s, _), recs in sorted(data.items()) if s == "train" for r in recs]
     for got, (features, _) in zip(records, reference_features(tiny_dir, source, [0])):
         assert "aux_features" not in got
