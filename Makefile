@@ -87,6 +87,12 @@ bench-fast: install
 # The serving table of docs/benchmarks.md section 7 in one run: our two pairs behind Ray Serve, then vLLM's
 # CPU build (its OpenAI server, installed into .venv-vllm on first use) with the same client and prompts:
 # `make bench-serve HEAD=<head dir or models:/...>` (about an hour; a benchmark, not a test).
+# Our head exported to vLLM (`eaglectl head export --to vllm`) and decoded by vLLM's CPU build beside our
+# engine: acceptance per step and outputs (infra/bench/vllm_eagle.sh; HEAD must be an exportable head directory)
+.PHONY: bench-vllm-eagle
+bench-vllm-eagle: install
+	infra/bench/vllm_eagle.sh $(HEAD)
+
 .PHONY: bench-serve
 bench-serve: install
 	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --out docs/bench/serve

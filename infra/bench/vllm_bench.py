@@ -15,6 +15,31 @@ from pathlib import Path
 logger = logging.getLogger("vllm_bench")
 
 
+def spec_decode_totals(llm) -> dict:
+    """vLLM's speculative-decoding counters so far (``vllm:spec_decode_*``, V1 metrics): drafts (verification
+    steps), drafted and accepted tokens, and the mean acceptance length, tokens per step = 1 + accepted / drafts
+    (what our bench calls tau)."""
+    totals: dict = {}
+    for metric in llm.get_metrics():
+        name = metric.name.removeprefix("vllm:spec_decode_")
+        if name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            totals[name] = int(metric.value)
+        elif name == "num_accepted_tokens_per_pos":
+            totals["accepted_per_position"] = [int(v) for v in metric.values]
+    return totals
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict:
+    """The counters of one run (``after - before``) and its mean acceptance length."""
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    per_pos = after.get("accepted_per_position", [])
+    earlier = before.get("accepted_per_position", [0] * len(per_pos))
+    delta["accepted_per_position"] = [a - b for a, b in zip(per_pos, earlier)]
+    if delta["num_drafts"]:
+        delta["mean_acceptance_length"] = round(1 + delta["num_accepted_tokens"] / delta["num_drafts"], 4)
+    return delta
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a Hugging Face folder (safetensors), e.g. the dequantized SmolLM2")
@@ -38,6 +63,7 @@ def main() -> int:
     llm = LLM(
         model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_bytes,
         max_num_seqs=max(args.concurrency), seed=0, speculative_config=speculative,
+        disable_log_stats=speculative is None,  # the spec-decode counters need the stats loop
     )
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -48,6 +74,7 @@ def main() -> int:
         "max_tokens": args.max_tokens, "speculative": speculative, "start_s": round(start_s, 1), "concurrency": {}, "outputs": {},
     }
     for concurrency in args.concurrency:
+        counted = spec_decode_totals(llm) if speculative is not None else {}  # warm-up and earlier runs, subtracted
         if concurrency == 1:
             tokens, seconds = 0, 0.0
             for prompt, item in zip(prompts, inputs):
@@ -63,6 +90,8 @@ def main() -> int:
             seconds = time.perf_counter() - began
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         result["concurrency"][str(concurrency)] = {"tokens": tokens, "seconds": round(seconds, 3), "tokens_per_second": round(tokens / seconds, 2)}
+        if speculative is not None:
+            result["concurrency"][str(concurrency)]["spec_decode"] = spec_decode_delta(counted, spec_decode_totals(llm))
         logger.info("concurrency %d: %d tokens in %.1f s = %.1f tok/s", concurrency, tokens, seconds, tokens / seconds)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
