@@ -36,16 +36,21 @@ class Batch:
 
 
 def collate(records: Sequence[dict[str, torch.Tensor]], max_length: int | None = None) -> Batch:
-    """Right-pad records into a batch (padding carries no loss; causal attention keeps it out of real rows)."""
+    """Right-pad records into a batch (padding carries no loss; causal attention keeps it out of real rows).
+    Records without ``features`` (online training computes them from ``input_ids``) get an empty
+    ``[b, n, 0]`` placeholder."""
     lengths = [min(int(r["input_ids"].shape[0]), max_length or 1 << 30) for r in records]
-    n, hidden = max(lengths), int(records[0]["features"].shape[-1])
+    stored = "features" in records[0]
+    n = max(lengths)
+    hidden = int(records[0]["features"].shape[-1]) if stored else 0
     ids = torch.zeros(len(records), n, dtype=torch.long)
     mask = torch.zeros(len(records), n, dtype=torch.long)
-    feats = torch.zeros(len(records), n, hidden, dtype=records[0]["features"].dtype)
+    feats = torch.zeros(len(records), n, hidden, dtype=records[0]["features"].dtype if stored else torch.float32)
     for i, (record, length) in enumerate(zip(records, lengths)):
         ids[i, :length] = record["input_ids"][:length].long()
         mask[i, :length] = record["loss_mask"][:length].long()
-        feats[i, :length] = record["features"][:length]
+        if stored:
+            feats[i, :length] = record["features"][:length]
     return Batch(ids, mask, feats)
 
 

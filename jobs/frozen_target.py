@@ -1,8 +1,8 @@
 """The frozen target partitioned with DeepSpeed ZeRO-3: loading it, the backbone-only forward that yields
 EAGLE's features (and EAGLE-3's low/mid/high layers), and what each rank holds.
 
-Used by ``jobs.featurize`` (the feature stage) and meant for online training (the frozen target living in the
-training workers).
+Used by ``jobs.featurize`` (the feature stage) and by ``jobs.train_head`` in online mode, where the frozen target
+lives in the training workers as a :class:`ShardedTarget`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from eagle.errors import EagleError
+from eagle.target import Target, adapter_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -166,3 +167,71 @@ def resident_numel(module: nn.Module) -> int:
         else:
             resident += parameter.numel()
     return resident
+
+
+class ShardedTarget(Target):
+    """A frozen target partitioned across the ranks with ZeRO-3 (:func:`load_frozen_target_zero3`), seen as an
+    ``eagle.target.Target`` by the trainer: ``features`` runs the partitioned backbone (a collective: every
+    rank must call it the same number of times), while the embedding and LM head that the head borrows are
+    gathered once and kept whole on every rank (vocab x hidden each). No rank ever holds the decoder layers
+    whole.
+    """
+
+    def __init__(self, engine, tokenizer, *, name: str, revision: str) -> None:  # noqa: D107 (Target's fields, set here)
+        import deepspeed
+
+        self.engine = engine
+        root = engine.module if hasattr(engine, "module") else engine
+        lm = root.lm
+        self.model = lm
+        self.tokenizer = tokenizer
+        self.name, self.revision = name, revision
+        self.config = lm.config
+        self.adapter = adapter_for(self.config)
+        self.backbone = None  # partitioned: run it through ``features``
+        embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        borrowed = list({id(p): p for p in (embed.weight, head.weight)}.values())  # one when tied
+        with deepspeed.zero.GatheredParameters(borrowed):  # a collective; a no-op for a replicated (stage 0) model
+            embed_weight = embed.weight.detach().clone()
+            head_weight = embed_weight if len(borrowed) == 1 else head.weight.detach().clone()
+        self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.lm_head = nn.Linear(head_weight.shape[1], head_weight.shape[0], bias=False, device=head_weight.device, dtype=head_weight.dtype)
+        self.lm_head.weight = self.embed_tokens.weight if len(borrowed) == 1 else nn.Parameter(head_weight, requires_grad=False)
+        self.hidden_size = int(self.config.hidden_size)
+        self.vocab_size = int(head_weight.shape[0])
+        self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The final-norm hidden states ``[b, q, hidden]`` for ``input_ids`` ``[b, q]`` (right padding is harmless:
+        attention is causal)."""
+        with torch.no_grad():
+            return self.engine(input_ids)[0]
+
+    def numel(self) -> int:
+        """Parameter elements of the whole target (the sum over ranks of what ZeRO-3 partitioned)."""
+        return partition_numel(self.engine.module if hasattr(self.engine, "module") else self.engine)[1]
+
+    def resident_numel(self) -> int:
+        """Elements of the partitioned target this rank holds now: its partitions and anything still gathered
+        (the borrowed copies are counted by :meth:`borrowed_numel`)."""
+        return resident_numel(self.engine.module if hasattr(self.engine, "module") else self.engine)
+
+    def borrowed_numel(self) -> int:
+        """Elements of the whole embedding and LM head every rank keeps for the head (one matrix when tied)."""
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        return self.embed_tokens.weight.numel() + (0 if tied else self.lm_head.weight.numel())
+
+
+def load_sharded_target(spec: str, dtype: str, *, device: torch.device | str | None = None, persistence_threshold: int | None = None) -> ShardedTarget:
+    """``spec`` (a built-in name or a local HF directory) loaded frozen and ZeRO-3 partitioned across the
+    current process group; every rank must call it."""
+    from transformers import AutoTokenizer
+
+    from eagle.target import resolve_target
+
+    directory, name, revision = resolve_target(spec)
+    engine = load_frozen_target_zero3(
+        directory, dtype, zero3_config(dtype, persistence_threshold=persistence_threshold), device=device
+    )
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return ShardedTarget(engine, tokenizer, name=name, revision=revision)

@@ -65,7 +65,8 @@ class TrainConfig:
     workers: int = 2
     use_gpu: bool = False
     zero_stage: int = 2
-    online: bool = False  # compute features in the loop instead of reading shards
+    online: bool = False  # compute features in the loop (the frozen target ZeRO-3-partitioned across the workers)
+    target_persistence_threshold: int | None = None  # online: DeepSpeed's stage3_param_persistence_threshold for the target
     batch_tokens: int = 4096  # padded tokens per micro batch per worker
     grad_accum: int = 1
     lr: float = 1e-3
@@ -282,8 +283,8 @@ def a100_33b() -> Preset:
 def a100_70b() -> Preset:
     """A 70B target (h=8192, 80 layers, GQA) on four 8 x A100-80GB nodes, online features.
 
-    Frozen target: 140 GB bf16 / 32 ranks = 4.4 GB per GPU + a gathered layer (1.7 GB); ZeRO-3 prefetch
-    bucket ~2 layers. Head ~0.9B params (fc 134M + layer ~0.8B) x 16 B = 14 GB, ZeRO-2 over 32 ranks ->
+    Frozen target: 140 GB bf16 / 32 ranks = 4.4 GB per GPU + a gathered layer (1.7 GB) + the embedding and
+    LM head kept whole for the head (2 x 32k x 8192 x 2 B = 1 GB); ZeRO-3 prefetch bucket ~2 layers. Head ~0.9B params (fc 134M + layer ~0.8B) x 16 B = 14 GB, ZeRO-2 over 32 ranks ->
     0.45 GB per GPU of gradients/optimizer state + 1.8 GB of bf16 weights. 8k-token micro batches: logits
     8k x 32k x 4 B = 1 GB; the target's activations (no grad, one layer live) ~6 GB. Feature dumps would be
     1 TB, hence online. Inter-node all-gathers of the frozen weights dominate: 140 GB per step per node

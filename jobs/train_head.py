@@ -10,7 +10,9 @@ What one run does:
 2. ``TorchTrainer`` starts ``workers`` ranks (gloo on CPU, nccl on GPU). Each rank wraps the head in a
    DeepSpeed engine (ZeRO stage from the preset; torch AdamW(0.9, 0.95) as the client optimizer, the
    warmup schedule of ``eagle.train``, gradient clipping 0.5) and trains on its share of the feature
-   shards (offline) or on features computed in the loop by the frozen target (``online``). The loss is
+   shards (offline) or on features computed in the loop by the frozen target (``online``: the target is
+   ZeRO-3-partitioned across the ranks, ``jobs.frozen_target.ShardedTarget``, every rank runs its forward in
+   lockstep, and rank 0 tags the run with what each rank holds of it after the first step). The loss is
    EAGLE's: SmoothL1 on features + 0.1 x CE on tokens with U(-0.1, 0.1) input noise (``eagle.loss``).
 3. Every ``checkpoint_every`` steps all ranks write a DeepSpeed checkpoint and rank 0 the head directory,
    and report them with ``ray.train.report``: Ray merges the ranks' files into one checkpoint. A worker
@@ -122,7 +124,13 @@ def _train_loop(config: dict[str, Any]) -> None:
     device = torch.device("cuda", context.get_local_rank()) if train.use_gpu else torch.device("cpu")
     storage = Storage(config["dataset_uri"])
 
-    target = load_target(config["target_spec"], dtype="bfloat16" if train.autocast_bf16 else "float32", device=str(device))
+    target_dtype = "bfloat16" if train.autocast_bf16 else "float32"
+    if train.online:  # the frozen target partitioned across the ranks (ZeRO-3); only its embedding and LM head whole
+        from jobs.frozen_target import load_sharded_target
+
+        target = load_sharded_target(config["target_spec"], target_dtype, device=device, persistence_threshold=train.target_persistence_threshold)
+    else:  # offline: features come from the shards; the head borrows the target's embedding and LM head
+        target = load_target(config["target_spec"], dtype=target_dtype, device=str(device))
     target.model.requires_grad_(False)
     draft_ids = _draft_vocab(storage, target, train.draft_vocab_size)
     head = EagleHead.for_target(
@@ -131,7 +139,8 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     stage = layout.DATA if train.online else layout.FEATURES
     records = layout.load_records(storage, stage, "train", rank=rank, world=world)
-    eval_records = layout.load_records(storage, stage, "eval")[: config.get("eval_records", 16)] if rank == 0 else []
+    # online: every rank runs the eval forward (ZeRO-3's gathers are collectives), rank 0 keeps the result
+    eval_records = layout.load_records(storage, stage, "eval")[: config.get("eval_records", 16)] if rank == 0 or train.online else []
     lengths = [int(r["input_ids"].shape[0]) for r in records]
 
     # every rank must take the same number of optimizer steps: plan with the smallest per-rank epoch
@@ -182,17 +191,20 @@ def _train_loop(config: dict[str, Any]) -> None:
         logger.info("training %d steps (%d per epoch) on %d workers, %d records on rank 0", total_steps, steps_per_epoch, world, len(records))
 
     def features_of(batch):
-        if not train.online:
-            return batch
-        with torch.no_grad():
-            batch.features = target.backbone(input_ids=batch.input_ids.to(device)).last_hidden_state
+        if train.online:
+            batch.features = target.features(batch.input_ids.to(device))
         return batch
 
+    eval_batch = None
+    if eval_records:  # fixed records: their features once, up front (online: a forward on every rank)
+        eval_batch = features_of(collate(eval_records)).to(device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
+        if rank != 0:
+            eval_batch = None
+
     def evaluate() -> dict[str, float]:
-        if not eval_records:
+        if eval_batch is None:
             return {}
         engine.module.eval()
-        eval_batch = features_of(collate(eval_records)).to(device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
         with torch.no_grad():  # what greedy verification would accept: the target's own argmax, row by row
             greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=train.autocast_bf16):
@@ -232,6 +244,14 @@ def _train_loop(config: dict[str, Any]) -> None:
                 continue
             step += 1
             elapsed += time.perf_counter() - started
+            if step == 1 and train.online:  # what each rank holds of the target after real forwards
+                held: list[Any] = [None] * world
+                dist.all_gather_object(held, target.resident_numel())
+                if tracker:
+                    tracker.tag({
+                        "target.resident_numel_per_rank": json.dumps(held), "target.numel": target.numel(),
+                        "target.borrowed_numel": target.borrowed_numel(),
+                    })
             stop = torch.tensor([1 if deadline is not None and elapsed >= deadline else 0])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
             last = bool(int(stop)) or step >= total_steps
@@ -472,6 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-depth", type=int, default=None)
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="0 = the full target vocabulary")
     parser.add_argument("--online", action="store_true", default=None, help="compute features in the loop")
+    parser.add_argument(
+        "--target-persistence-threshold", type=int, default=None,
+        help="online: ZeRO-3 keeps target parameters smaller than this whole on every rank (default DeepSpeed's, 1e5)",
+    )
     parser.add_argument("--max-failures", type=int, default=3)
     parser.add_argument("--alias", default="candidate")
     parser.add_argument("--no-register", action="store_true")
@@ -481,7 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     overrides = {
         key: getattr(args, key)
-        for key in ("workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online")
+        for key in ("workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online", "target_persistence_threshold")
         if getattr(args, key) is not None
     }
     if args.draft_vocab_size is not None:
@@ -489,6 +513,8 @@ def _main(args: argparse.Namespace) -> int:
     for key in ("workers", "batch_tokens", "checkpoint_every", "rollout_depth", "max_steps"):
         if key in overrides and overrides[key] <= 0:
             raise EagleError(f"--{key.replace('_', '-')} must be > 0")
+    if overrides.get("target_persistence_threshold", 0) < 0:
+        raise EagleError("--target-persistence-threshold must be >= 0")
     preset = get_preset(args.preset)
     if args.dataset:
         preset = dataclasses.replace(preset, dataset=args.dataset)

@@ -154,6 +154,36 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
 
 
 @pytest.mark.slow
+def test_online_training_runs_on_a_zero3_partitioned_target_and_matches_offline(storage, mlflow_server, tmp_path, smollm2):
+    """Online mode: the frozen target lives in the 2 workers partitioned by ZeRO-3 (every parameter: persistence
+    threshold 0), each holding half of it after real forwards; the head trains on the features it computes in
+    the loop, and its first losses equal offline training's on the stored features of the same data."""
+    common = [
+        "--preset", "quick", "--storage", storage, "--dataset", DATASET, "--results-dir", str(tmp_path / "r"),
+        "--batch-tokens", "512", "--max-steps", "3", "--checkpoint-every", "100", "--no-register", "--max-failures", "0",
+    ]
+    runs = {}
+    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
+        done = _run([*common, "--run-name", f"{mode}-curve", *extra], mlflow_server, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        runs[mode] = _result(done.stdout)["run_id"]
+    client = MlflowClient(mlflow_server)
+    online = client.get_run(runs["online"])
+    held = json.loads(online.data.tags["target.resident_numel_per_rank"])
+    total = int(online.data.tags["target.numel"])
+    assert total == sum(p.numel() for p in smollm2.model.parameters())
+    assert len(held) == 2 and all(abs(h - total / 2) <= 0.01 * total for h in held), (held, total)
+    # besides its half, each rank keeps the borrowed embedding (SmolLM2 ties it to the LM head): vocab x hidden
+    assert int(online.data.tags["target.borrowed_numel"]) == smollm2.vocab_size * smollm2.hidden_size
+
+    curves = {mode: [(m.step, m.value) for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
+    assert [step for step, _ in curves["online"]] == [step for step, _ in curves["offline"]] == [1, 3], curves
+    for (_, on), (_, off) in zip(curves["online"], curves["offline"]):
+        # the stored features are the fp32 target's cast to bf16, the online ones a bf16 forward: close, not equal
+        assert abs(on - off) <= 0.05 * off, curves
+
+
+@pytest.mark.slow
 def test_a_run_that_fails_is_marked_failed_and_registers_nothing(storage, mlflow_server, tmp_path, smollm2):
     broken = tmp_path / "broken"
     write_feature_dataset(str(broken), smollm2, DATASET, conversations=8, max_length=32)
