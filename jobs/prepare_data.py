@@ -73,6 +73,8 @@ def validate(config: DataConfig) -> None:
         raise EagleError(f"data setting eval_fraction must be in [0, 1), got {config.eval_fraction}")
     if config.regen_temperature < 0:
         raise EagleError(f"data setting regen_temperature must be >= 0, got {config.regen_temperature}")
+    if config.regen_engine not in ("hf", "eagle"):
+        raise EagleError(f"data setting regen_engine must be hf or eagle, got {config.regen_engine!r}")
 
 
 def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
@@ -81,6 +83,8 @@ def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
     settings = {k: v for k, v in asdict(config).items() if k not in EXECUTION_ONLY}
     if config.regenerate:
         settings["regen_dtype"] = regen_dtype
+        if settings.get("regen_engine") == "hf":  # the default: datasets made before the field keep their identity
+            del settings["regen_engine"]
     else:
         settings = {k: v for k, v in settings.items() if not k.startswith("regen_")}
     return settings
@@ -140,14 +144,28 @@ def generate_answers(
     temperature: float = 0.0,
     batch_size: int = 32,
     max_length: int | None = None,
+    engine: str = "hf",
+    seed: int = 0,
 ) -> list[list[int]]:
     """Answer token ids for each prompt (ending with EOS when the target stopped), in the prompts' order.
 
-    Prompts are sorted by length into batches of ``batch_size`` (little padding), left-padded with an
-    attention mask and decoded by HF ``generate`` (greedy at temperature 0, else sampling from the torch
-    RNG, which the caller seeds). With ``max_length`` a batch generates at most what still fits after its
-    shortest prompt: tokens past ``max_length`` would be cut by tokenisation anyway.
+    ``engine="hf"``: prompts are sorted by length into batches of ``batch_size`` (little padding),
+    left-padded with an attention mask and decoded by HF ``generate`` (greedy at temperature 0, else
+    sampling from the torch RNG, which the caller seeds); a batch runs until its longest answer ends. With
+    ``max_length`` a batch generates at most what still fits after its shortest prompt: tokens past
+    ``max_length`` would be cut by tokenisation anyway.
+
+    ``engine="eagle"``: this engine's continuous batching (``eagle.batch.BatchDecoder``, plain decoding): up
+    to ``batch_size`` answers decode together, a finished one leaves and the next prompt joins at once, so
+    no step is spent on rows that are done; each prompt's budget is what fits under ``max_length`` after
+    it. Greedy answers equal HF's in float32 (tests/test_prepare_data.py); sampled ones are seeded per
+    prompt from ``seed`` (the engine's per-request generator), not from the torch RNG.
     """
+    if engine == "eagle":
+        return _answers_by_batch_decoder(target, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                         batch_size=batch_size, max_length=max_length, seed=seed)
+    if engine != "hf":
+        raise EagleError(f"unknown regeneration engine {engine!r}: expected hf or eagle")
     eos = target.eos_token_ids
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else eos[0]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -172,6 +190,30 @@ def generate_answers(
         )
         for row, index in enumerate(batch):
             answers[index] = trim_at_eos(output[row, width:].tolist(), eos)
+    return answers
+
+
+def _answers_by_batch_decoder(target: Target, prompts: list[list[int]], *, max_new_tokens: int, temperature: float,
+                              batch_size: int, max_length: int | None, seed: int) -> list[list[int]]:
+    from eagle.batch import BatchDecoder
+    from eagle.generate import Decoder, GenerationConfig
+    from eagle.verify import SamplingConfig
+
+    longest = max(len(p) for p in prompts)
+    context = min(max_length or (longest + max_new_tokens), longest + max_new_tokens)
+    decoder = BatchDecoder(Decoder(target, None, compile="off"), max_batch=batch_size, max_context=context)
+    sampling = SamplingConfig(temperature=temperature)  # no top-k / top-p: the target's own distribution
+    requests = []
+    for prompt in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
+        budget = min(max_new_tokens, decoder.room(len(prompts[prompt])))
+        config = GenerationConfig(max_new_tokens=max(1, budget), sampling=sampling, seed=(seed * 1_000_003 + prompt) % (1 << 63))
+        requests.append((prompt, decoder.submit(prompts[prompt], config)))
+    decoder.run_until_done()
+    answers: list[list[int]] = [[] for _ in prompts]
+    for index, request in requests:
+        if request.error is not None:
+            raise request.error
+        answers[index] = list(request.token_ids)
     return answers
 
 
@@ -215,6 +257,8 @@ def regenerate_conversations(
             temperature=config.regen_temperature,
             batch_size=config.regen_batch_size,
             max_length=config.max_length,
+            engine=config.regen_engine,
+            seed=seed * 1_000_003 + turn,
         )
         for (index, (messages, _)), tokens in zip(asked.items(), generated):
             answer_tokens += len(tokens)
@@ -555,6 +599,7 @@ _DATA_FLAGS = {  # flag -> (DataConfig field, type)
     "--regen-temperature": ("regen_temperature", float),
     "--regen-max-new-tokens": ("regen_max_new_tokens", int),
     "--regen-batch-size": ("regen_batch_size", int),
+    "--regen-engine": ("regen_engine", str),
     "--regen-workers": ("regen_workers", int),
     "--regen-turns": ("regen_turns", int),
 }

@@ -36,7 +36,8 @@ class DataConfig:
     regenerate: bool = False  # replace assistant turns with the target's own answers
     regen_temperature: float = 0.0  # 0 = greedy regeneration
     regen_max_new_tokens: int = 512
-    regen_batch_size: int = 32  # prompts per batched generate call
+    regen_batch_size: int = 32  # prompts per batched generate call (eagle: answers decoding at once)
+    regen_engine: str = "hf"  # hf: HF generate in length-sorted batches; eagle: this engine's continuous batching
     regen_workers: int = 1  # Ray workers generating in parallel
     regen_turns: int = 1  # user turns kept (and answered) per conversation when regenerating
     shard_records: int = 256  # conversations per shard
@@ -198,6 +199,7 @@ def cpu_long() -> Preset:
         data=DataConfig(
             conversations=1280, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
             regen_workers=1, shard_records=320,
+            regen_engine="eagle",  # continuous batching: 1.77x HF generate's answer tok/s here (docs/benchmarks.md s10)
         ),
         features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="bfloat16"),
         train=TrainConfig(

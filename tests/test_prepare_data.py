@@ -17,6 +17,7 @@ from eagle.data import is_eval, load_sharegpt, tokenize
 from eagle.errors import EagleError
 from jobs import layout
 from jobs.prepare_data import (
+    generate_answers,
     RegenStats,
     ShardWork,
     chat_prompt,
@@ -182,7 +183,26 @@ def test_regeneration_on_ray_workers_is_greedy_decoding_by_the_target(tmp_path, 
     assert compared == manifest["splits"]["train"]["records"] + manifest["splits"]["eval"]["records"] >= 6
 
 
-def test_multi_turn_regeneration_answers_each_turn_after_its_own_previous_answer(smollm2):
+def test_continuous_batching_regenerates_what_hf_generate_does(smollm2, conversations):
+    """engine="eagle" (eagle.batch.BatchDecoder: answers leave the batch when done, the next prompt joins)
+    gives HF generate's greedy answers token for token in float32, in the prompts' order."""
+    tokenizer = smollm2.tokenizer
+    prompts = [chat_prompt(tokenizer, [{"role": "user", "content": c.turns[0][1][:200]}]) for c in list(conversations.values())[:6]]
+    assert len({len(p) for p in prompts}) > 1  # different lengths: rows finish and join at different steps
+    hf = generate_answers(smollm2, prompts, max_new_tokens=20, batch_size=3)
+    ours = generate_answers(smollm2, prompts, max_new_tokens=20, batch_size=3, engine="eagle")
+    assert ours == hf
+    # under max_length each prompt gets what fits after it (HF caps a whole batch by its shortest prompt)
+    cap = max(map(len, prompts)) + 3
+    capped = generate_answers(smollm2, prompts, max_new_tokens=20, batch_size=2, max_length=cap, engine="eagle")
+    assert all(len(p) + len(a) <= cap and a == h[: len(a)] for p, a, h in zip(prompts, capped, hf))
+    assert sorted(len(a) for a in capped) != sorted(len(a) for a in hf)  # the cap bound some answers
+    with pytest.raises(EagleError, match="unknown regeneration engine"):
+        generate_answers(smollm2, prompts, max_new_tokens=4, engine="vllm")
+
+
+@pytest.mark.parametrize("engine", ["hf", "eagle"])
+def test_multi_turn_regeneration_answers_each_turn_after_its_own_previous_answer(smollm2, engine):
     from eagle.data import Conversation
 
     # questions SmolLM2 answers within 16 tokens (a cut answer ends its conversation: the next test)
@@ -190,7 +210,7 @@ def test_multi_turn_regeneration_answers_each_turn_after_its_own_previous_answer
         Conversation("a", (("user", "What is 2+2?"), ("assistant", "4."), ("user", "What is the capital of France?"), ("assistant", "Paris."))),
         Conversation("b", (("user", "Hi"), ("assistant", "Hi."), ("user", "Reply with one word: yes or no?"), ("assistant", "Yes."))),
     ]
-    config = DataConfig(max_length=256, regenerate=True, regen_turns=2, regen_max_new_tokens=16, regen_batch_size=2)
+    config = DataConfig(max_length=256, regenerate=True, regen_turns=2, regen_max_new_tokens=16, regen_batch_size=2, regen_engine=engine)
     regenerated, stats = regenerate_conversations(smollm2, conversations, config, seed=0)
     assert isinstance(stats, RegenStats) and stats.answers == 4 and stats.answer_tokens <= 4 * 16
     tokenizer = smollm2.tokenizer
