@@ -113,7 +113,9 @@ def export_head(source: str | Path, dest: str | Path, fmt: str) -> Path:
     with every reason it cannot. ``dest`` is written beside itself and renamed into place, so a failed export
     leaves nothing half-written; an existing ``dest`` is refused."""
     source, dest = Path(source), Path(dest)
-    config = _read_native_config(source)
+    if not is_native(source):
+        raise HeadFormatError(f"{source} is not a head directory in this engine's layout ({CONFIG_NAME} with format {HEAD_FORMAT!r})")
+    config = HeadConfig.read(source)
     problems = export_problems(config, fmt)
     if problems:
         raise HeadFormatError(f"cannot export {source} as {fmt}: " + "; ".join(problems))
@@ -255,12 +257,3 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
             return {key: handle.get_tensor(key) for key in handle.keys()}
     except Exception as err:  # safetensors raises its own error types for a corrupt header
         raise HeadFormatError(f"{path} is not a readable safetensors file: {type(err).__name__}") from None
-
-
-def _read_native_config(directory: Path) -> HeadConfig:
-    if not is_native(directory):
-        raise HeadFormatError(f"{directory} is not a head directory in this engine's layout ({CONFIG_NAME} with format {HEAD_FORMAT!r})")
-    try:
-        return HeadConfig(**json.loads((directory / CONFIG_NAME).read_text()))
-    except TypeError as err:
-        raise HeadFormatError(f"{directory / CONFIG_NAME} is not a valid head config: {err}") from None

@@ -103,6 +103,18 @@ class HeadConfig:
             input_norm=input_norm,
         )
 
+    @classmethod
+    def read(cls, directory: str | Path) -> "HeadConfig":
+        """The ``config.json`` of a head directory in this engine's layout; ``EagleError`` when there is none
+        or it is not a head config."""
+        path = Path(directory) / CONFIG_NAME
+        if not path.is_file():
+            raise EagleError(f"{directory} is not a head directory (no {CONFIG_NAME})")
+        try:
+            return cls(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as err:
+            raise EagleError(f"{path} is not a valid head config: {err}") from None
+
     def transformers_config(self):
         from transformers import AutoConfig
 
@@ -246,10 +258,7 @@ class EagleHead(nn.Module):
         else:
             if not config_path.is_file() or not weights_path.is_file():
                 raise EagleError(f"{directory} is not a head directory: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
-            try:
-                config = HeadConfig(**json.loads(config_path.read_text()))
-            except (json.JSONDecodeError, TypeError) as err:
-                raise EagleError(f"{config_path} is not a valid head config: {err}") from None
+            config = HeadConfig.read(directory)
             state = load_file(str(weights_path))
         check_compatible(config, target)  # before the head is allocated
         check_revision(str(directory), config.target_revision, target)

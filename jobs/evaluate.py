@@ -60,10 +60,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
 def _head_config(head_dir: str):
     from eagle.head import HeadConfig
 
-    config_path = Path(head_dir) / "config.json"
-    if not config_path.is_file():
-        raise EagleError(f"{head_dir} is not a head directory (no config.json)")
-    return HeadConfig(**json.loads(config_path.read_text()))
+    return HeadConfig.read(head_dir)
 
 
 def resolve_once(reg, head_spec: str, target: tuple[str, str]) -> tuple[str, dict[str, Any] | None]:
