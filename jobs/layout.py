@@ -21,7 +21,7 @@ import json
 from typing import Iterator
 
 from eagle.errors import EagleError
-from jobs.storage import Storage
+from jobs.storage import Storage, unpack_records
 
 DATA_FORMAT = "eagle-data/1"
 FEATURES_FORMAT = "eagle-features/1"
@@ -102,14 +102,14 @@ def iter_records(dataset: Storage, stage: str, split: str, *, rank: int = 0, wor
             ids = json.loads(safetensors_metadata(data).get("ids", "null"))
         except (json.JSONDecodeError, TypeError):
             ids = None
-        offsets = tensors.pop("offsets").tolist()
-        for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        records = unpack_records(tensors)
+        named = isinstance(ids, list) and len(ids) == len(records)
+        for i, record in enumerate(records):
             mine = by_shard or index % world == rank
             index += 1
             if not mine:
                 continue
-            record = {k: v[a:b] for k, v in tensors.items()}
-            if isinstance(ids, list) and len(ids) == len(offsets) - 1:
+            if named:
                 record["id"] = ids[i]
             yield record
 

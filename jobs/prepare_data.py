@@ -199,8 +199,9 @@ def _answers_by_batch_decoder(target: Target, prompts: list[list[int]], *, max_n
     from eagle.generate import Decoder, GenerationConfig
     from eagle.verify import SamplingConfig
 
-    longest = max(len(p) for p in prompts)
-    context = min(max_length or (longest + max_new_tokens), longest + max_new_tokens)
+    context = max(len(p) for p in prompts) + max_new_tokens  # the longest request; max_length may bound it
+    if max_length is not None:
+        context = min(context, max_length)
     decoder = BatchDecoder(Decoder(target, None, compile="off"), max_batch=batch_size, max_context=context)
     sampling = SamplingConfig(temperature=temperature)  # no top-k / top-p: the target's own distribution
     requests = []
