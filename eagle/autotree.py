@@ -170,7 +170,7 @@ def _head_costs(decoder: "Decoder", spec: AutoTree) -> dict[str, float | dict[in
         expand = heads.expand(k)
         costs["expand"][k] = time_ms(lambda: expand(*args, cache.keys, cache.values, k), COST_REPEATS)
     width = spec.max_depth + 1
-    args = (torch.zeros(1, width, decoder.target.hidden_size, dtype=dtype, device=device), *step_inputs(width, COST_CONTEXT, device))
+    args = (torch.zeros(1, width, heads.lean.input_size, dtype=dtype, device=device), *step_inputs(width, COST_CONTEXT, device))
     advance = heads.advance(width)
     costs["advance"] = time_ms(lambda: advance(*args, cache.keys, cache.values), COST_REPEATS)
     return costs

@@ -284,7 +284,7 @@ class BatchDecoder:
     def _synthetic_draft(self, batch: int, context: int) -> None:
         device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
         width = self.decoder._widths()["advance"][0]
-        features = torch.zeros(1, width, self.target.hidden_size, dtype=dtype, device=device)
+        features = torch.zeros(1, width, self.heads.lean.input_size, dtype=dtype, device=device)
         ids, positions, slots, mask = step_inputs(width, context, device)
         if self._single(batch):
             view = self.head_cache.row(0)
@@ -406,7 +406,7 @@ class BatchDecoder:
         resumed = request.resumed
         prompt = request.prompt_ids + resumed[:-1]  # a resumed request's last token is the next root
         ids = torch.tensor(prompt, device=device)
-        features = self.runtime.prefill(ids, self.cache.row(index))  # [n, hidden]
+        features, head_input = self.runtime.prefill(ids, self.cache.row(index))  # [n, hidden], [n, head input]
         sampling = request.config.sampling
         generator = self._generator(request, len(prompt))
         if resumed:
@@ -421,7 +421,7 @@ class BatchDecoder:
         row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
         if self.heads is not None:
             next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])
-            row.last_hidden = self.heads.prefill(features, next_tokens, self.head_cache.row(index))[-1]
+            row.last_hidden = self.heads.prefill(head_input, next_tokens, self.head_cache.row(index))[-1]
             row.head_committed = len(prompt)
         self.rows.append(row)
         request.token_ids.extend(resumed or [root])
@@ -493,7 +493,7 @@ class BatchDecoder:
         rows = self.rows
         if max(row.pending for row in rows) <= width:
             batch = len(rows)
-            features = torch.zeros(batch, width, self.target.hidden_size, dtype=rows[0].pending_features[0].dtype, device=device)
+            features = torch.zeros(batch, width, self.heads.lean.input_size, dtype=rows[0].pending_features[0].dtype, device=device)
             tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
             counts = torch.tensor([row.pending for row in rows], device=device)
             for b, row in enumerate(rows):

@@ -143,7 +143,7 @@ class Decoder:
         self.head = head
         self.compile = compile if isinstance(compile, CompileConfig) else CompileConfig(mode=compile)
         self.tree_spec: TreeSpec = tree or DEFAULT_TREE
-        self.runtime: TargetRuntime = target_runtime(target, self.compile)
+        self.runtime: TargetRuntime = target_runtime(target, self.compile, head.config.head_layers if head is not None else ())
         self.head_runtime: HeadRuntime | None = head_runtime(head, target, self.compile) if head is not None else None
         self._tree: TreeSpec | None = None if isinstance(_base(self.tree_spec), AutoTree) else self.tree_spec
         self.auto_report: dict | None = None  # what ``--tree auto`` measured and chose
@@ -202,7 +202,7 @@ class Decoder:
         capacity = capacity or self._capacity(len(prompt_ids) + 1)
         ids = torch.tensor(prompt_ids, device=device)  # [n]
         cache = self.runtime.new_cache(capacity)
-        features = self.runtime.prefill(ids, cache)  # [n, hidden]
+        features, head_input = self.runtime.prefill(ids, cache)  # [n, hidden], [n, head input]
         last = features[-1:]
         logits = self.runtime.model.lm_head(last)
         root = self._choose(logits[0].float(), self.runtime.model.greedy(last, logits)[0], sampling, generator)
@@ -210,7 +210,7 @@ class Decoder:
         if self.head_runtime is not None:
             state.head_cache = self.head_runtime.new_cache(capacity)
             next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])  # x_{j+1}
-            state.last_hidden = self.head_runtime.prefill(features, next_tokens, state.head_cache)[-1]
+            state.last_hidden = self.head_runtime.prefill(head_input, next_tokens, state.head_cache)[-1]
         return state
 
     @torch.inference_mode()
@@ -288,12 +288,15 @@ class Decoder:
             dtype = self.runtime.model.lm_head.weight.dtype
             for width in widths["expand"] + widths["advance"]:
                 ids, positions, slots, mask = step_inputs(width, prefix, device)
-                features = torch.zeros(1, width, self.target.hidden_size, dtype=dtype, device=device)
-                args = (features, ids, positions, slots, mask, head_cache.keys, head_cache.values)
-                if width in widths["expand"]:
-                    self.head_runtime.expand(width)(*args, _base(tree).top_k)
-                if width in widths["advance"]:
-                    self.head_runtime.advance(width)(*args)
+                lean = self.head_runtime.lean
+                for size, name in ((lean.hidden_size, "expand"), (lean.input_size, "advance")):  # own output / target's
+                    if width in widths[name]:
+                        features = torch.zeros(1, width, size, dtype=dtype, device=device)
+                        args = (features, ids, positions, slots, mask, head_cache.keys, head_cache.values)
+                        if name == "expand":
+                            self.head_runtime.expand(width)(*args, _base(tree).top_k)
+                        else:
+                            self.head_runtime.advance(width)(*args)
             seconds.update(self.head_runtime.compile_seconds())
         return seconds
 

@@ -1,8 +1,19 @@
 """The EAGLE draft head.
 
-Owns: the module (fc over [embedding(token t+1); feature t], then one decoder layer built from the
-target's own config), the optional reduced draft vocabulary, and the on-disk format
-(``config.json`` + ``model.safetensors``).
+Owns: the module, in two kinds (``HeadConfig.kind``), the optional reduced draft vocabulary, and the
+on-disk format (``config.json`` + ``model.safetensors``):
+
+* ``eagle1``: fc over [embedding(token t+1); feature t], then one decoder layer built from the target's own
+  config; its output is the predicted next feature, which the target's LM head reads.
+* ``eagle3`` (EAGLE-3, arXiv 2503.01840, section 3): fc(3h -> h) fuses the residual streams entering three
+  target layers (``aux_layers``, by default 2, L//2, L-3: low, middle, high); the decoder layer's attention
+  reads [input_norm(embedding); hidden_norm(fused)] (2h wide q/k/v, the layout of vLLM's and SGLang's
+  ``llama_eagle3.py`` and of SafeAILab's EAGLE-3 ``cnets.py``) and its residual is the fused feature; its
+  output is not a target feature but the head's own state: a final norm and the draft LM head turn it into
+  the draft distribution, and deeper draft steps feed it back instead of the fused features (no fc).
+  Its draft LM head (``lm_head.weight``, draft vocabulary x h) is the head's own tensor, initialised from
+  the target's rows and kept frozen by training (``requires_grad=False``), so the checkpoint has the
+  layout the EAGLE-3 loaders read.
 
 EAGLE (Li et al., ICML 2024, arXiv 2401.15077, section 4.1): the head autoregresses on features. At
 position j its input is the target's feature f_j fused with the embedding of the token x_{j+1} one step
@@ -38,7 +49,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle.errors import EagleError, HeadMismatchError
-from eagle.model import AttentionShape, KVCache, LeanLayer, rope_tables
+from eagle.model import AttentionShape, KVCache, LeanEagle3Layer, LeanLayer, rope_tables
 from eagle.target import adapter_for
 
 if TYPE_CHECKING:
@@ -67,6 +78,10 @@ class HeadConfig:
         input_norm: whether the decoder layer applies its input RMSNorm to fc's output. The EAGLE-1
             reference (``cnets1.py``) and vLLM's ``llama_eagle.py`` replace layer 0's input norm by the
             identity (False); heads saved before this field existed keep it (the default, True).
+        kind: ``eagle1`` or ``eagle3`` (module docstring); heads saved before this field are ``eagle1``.
+        aux_layers: ``eagle3`` only: the target layers whose input streams fc fuses, low / middle / high.
+        norm_before_residual: ``eagle3`` only: the layer's residual is the normed feature (vLLM's config
+            field of that name); False, the EAGLE-3 reference's layout, adds to the feature itself.
     """
 
     hidden_size: int
@@ -78,13 +93,32 @@ class HeadConfig:
     target_revision: str = "unknown"
     fc_bias: bool = True
     input_norm: bool = True
+    kind: str = "eagle1"
+    aux_layers: list[int] | None = None
+    norm_before_residual: bool = False
     format: str = HEAD_FORMAT
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def for_target(
-        cls, target: "Target", draft_vocab_size: int | None = None, *, fc_bias: bool = True, input_norm: bool = True
+        cls,
+        target: "Target",
+        draft_vocab_size: int | None = None,
+        *,
+        fc_bias: bool = True,
+        input_norm: bool = True,
+        kind: str = "eagle1",
+        aux_layers: Iterable[int] | None = None,
     ) -> "HeadConfig":
+        """The config of a head for ``target``; an ``eagle3`` head reads ``aux_layers`` (default
+        ``default_aux_layers``) and has no fc bias."""
+        if kind not in HEAD_KINDS:
+            raise EagleError(f"head kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
+        if kind == "eagle3":
+            aux = list(aux_layers) if aux_layers is not None else list(default_aux_layers(target.config.num_hidden_layers))
+            fc_bias, input_norm = False, True
+        else:
+            aux = None
         layer_config = target.config.to_dict()
         layer_config["num_hidden_layers"] = 1
         if "layer_types" in layer_config:  # hybrid configs list one type per layer; the head's layer is full attention
@@ -101,7 +135,19 @@ class HeadConfig:
             target_revision=target.revision,
             fc_bias=fc_bias,
             input_norm=input_norm,
+            kind=kind,
+            aux_layers=aux,
         )
+
+    @property
+    def input_size(self) -> int:
+        """Width of the target features the head reads: 3 x hidden for ``eagle3``, hidden for ``eagle1``."""
+        return 3 * self.hidden_size if self.kind == "eagle3" else self.hidden_size
+
+    @property
+    def head_layers(self) -> tuple[int, ...]:
+        """The target layers whose input streams the head reads (``LeanModel``); empty for ``eagle1``."""
+        return tuple(self.aux_layers or ()) if self.kind == "eagle3" else ()
 
     @classmethod
     def read(cls, directory: str | Path) -> "HeadConfig":
@@ -124,18 +170,45 @@ class HeadConfig:
         return config
 
 
+HEAD_KINDS = ("eagle1", "eagle3")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low / middle / high layers: the streams entering decoder layers ``2, L//2, L-3`` (the
+    reference's and vLLM's default), clamped into ``[0, L-1]`` for shallow targets. Index ``i`` is
+    transformers' ``hidden_states[i]`` (0 = the embeddings)."""
+    return tuple(max(0, min(num_layers - 1, i)) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
+
+
 class EagleHead(nn.Module):
-    """fc(2h -> h) + one decoder layer; embedding and LM head borrowed from an attached target."""
+    """One decoder layer behind an fc; embedding (and for ``eagle1`` the LM head) borrowed from an attached
+    target. See the module docstring for the two kinds."""
 
     def __init__(self, config: HeadConfig) -> None:
         super().__init__()
         self.config = config
+        self.eagle3 = config.kind == "eagle3"
         layer_config = config.transformers_config()
         adapter = adapter_for(layer_config)
-        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
-        self.layers = nn.ModuleList([adapter.decoder_layer_cls()(layer_config, layer_idx=0)])
-        if not config.input_norm:
-            self.layers[0].input_layernorm = nn.Identity()
+        hidden = config.hidden_size
+        layer = adapter.decoder_layer_cls()(layer_config, layer_idx=0)
+        if self.eagle3:
+            self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+            attention = layer.self_attn
+            for name in ("q_proj", "k_proj", "v_proj"):  # the attention reads [embedding; feature]
+                old = getattr(attention, name)
+                setattr(attention, name, nn.Linear(2 * hidden, old.out_features, bias=old.bias is not None))
+            norm_cls = type(layer.post_attention_layernorm)
+            eps = float(getattr(layer_config, "rms_norm_eps", 1e-6))
+            layer.hidden_norm = norm_cls(hidden, eps=eps)
+            self.norm = norm_cls(hidden, eps=eps)
+            self.lm_head = nn.Linear(hidden, config.draft_vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)  # the target's rows: set by for_target, frozen
+        else:
+            self.fc = nn.Linear(2 * hidden, hidden, bias=config.fc_bias)
+            if not config.input_norm:
+                layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])
         self.rotary_emb = adapter.rotary_cls()(layer_config)
         self.reduced_vocab = config.draft_vocab_size != config.vocab_size
         if self.reduced_vocab:
@@ -155,11 +228,16 @@ class EagleHead(nn.Module):
         draft_token_ids: torch.Tensor | None = None,
         fc_bias: bool = True,
         input_norm: bool = True,
+        kind: str = "eagle1",
+        aux_layers: Iterable[int] | None = None,
     ) -> "EagleHead":
         """An untrained head for ``target`` (fixed ``seed``), optionally with a reduced draft vocabulary;
-        ``fc_bias`` / ``input_norm`` as in ``HeadConfig`` (both False: the layout vLLM's ``eagle`` builds)."""
+        ``fc_bias`` / ``input_norm`` / ``kind`` / ``aux_layers`` as in ``HeadConfig`` (``eagle1`` with both
+        False: the layout vLLM's ``eagle`` builds)."""
         draft_vocab_size = None if draft_token_ids is None else int(draft_token_ids.numel())
-        config = HeadConfig.for_target(target, draft_vocab_size, fc_bias=fc_bias, input_norm=input_norm)
+        config = HeadConfig.for_target(
+            target, draft_vocab_size, fc_bias=fc_bias, input_norm=input_norm, kind=kind, aux_layers=aux_layers
+        )
         devices = [target.device] if target.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             if seed is not None:
@@ -167,7 +245,11 @@ class EagleHead(nn.Module):
             head = cls(config)
         if draft_token_ids is not None:
             head.set_draft_vocab(draft_token_ids)
-        return head.to(device=target.device, dtype=target.dtype).attach(target)
+        head = head.to(device=target.device, dtype=target.dtype).attach(target)
+        if head.eagle3:
+            with torch.no_grad():
+                head.lm_head.weight.copy_(head._borrowed["lm_weight"])
+        return head
 
     def set_draft_vocab(self, draft_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from target ids (any order; stored sorted, EAGLE-3 d2t/t2d)."""
@@ -183,7 +265,9 @@ class EagleHead(nn.Module):
         self.t2d[ids] = True
 
     def attach(self, target: "Target") -> "EagleHead":
-        """Borrow ``target``'s embedding and LM head; fails clearly if the head was built for another target."""
+        """Borrow ``target``'s embedding and LM head (its draft-vocabulary rows: the target's distribution in
+        training, and an ``eagle1`` head's own LM head); fails clearly if the head was built for another
+        target."""
         check_compatible(self.config, target)
         self._borrowed["embed"] = target.embed_tokens
         weight = target.lm_head.weight
@@ -202,16 +286,19 @@ class EagleHead(nn.Module):
 
     def forward(
         self,
-        features: torch.Tensor,  # [1, q, hidden]: f_j (target's, or the head's own prediction)
-        next_tokens: torch.Tensor,  # [1, q]: x_{j+1}
+        features: torch.Tensor,  # [B, q, input_size or hidden]: the target's (fused) features, or the head's own output
+        next_tokens: torch.Tensor,  # [B, q]: x_{j+1}
         cache,
-        position_ids: torch.Tensor,  # [1, q]
-        attention_mask: torch.Tensor | None = None,  # [1, 1, q, kv] additive
+        position_ids: torch.Tensor,  # [B, q]
+        attention_mask: torch.Tensor | None = None,  # [B, 1, q, kv] additive
     ) -> torch.Tensor:
-        """Predicted next features ``[1, q, hidden]``."""
+        """The head's output ``[B, q, hidden]``: ``eagle1``, the predicted next features; ``eagle3``, its state
+        before the final norm (``draft_logits`` reads either)."""
         if "embed" not in self._borrowed:
             raise EagleError("head is not attached to a target: call head.attach(target)")
-        embeds = self._borrowed["embed"](next_tokens).to(features.dtype)  # [1, q, hidden]
+        embeds = self._borrowed["embed"](next_tokens).to(features.dtype)  # [B, q, hidden]
+        if self.eagle3:
+            return self._eagle3_layer(self.fuse(features), embeds, cache, position_ids, attention_mask)
         hidden = self.fc(torch.cat([embeds, features], dim=-1))  # [1, q, hidden]
         position_embeddings = self.rotary_emb(hidden, position_ids)
         for layer in self.layers:
@@ -225,9 +312,36 @@ class EagleHead(nn.Module):
             )
         return hidden
 
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``eagle3``: the target's fused features ``[..., 3h]`` through fc; the head's own output
+        ``[..., h]`` (deeper draft steps) as it is."""
+        return self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+
+    def _eagle3_layer(self, hidden, embeds, cache, position_ids, attention_mask) -> torch.Tensor:
+        """The EAGLE-3 decoder layer (module docstring) on transformers' attention and MLP modules."""
+        layer = self.layers[0]
+        normed = layer.hidden_norm(hidden)
+        residual = normed if self.config.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        attended, _ = layer.self_attn(
+            hidden_states=x, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            use_cache=cache is not None, position_embeddings=position_embeddings,
+        )
+        hidden = residual + attended
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary for predicted features ``[..., hidden]``."""
+        """Float32 logits over the draft vocabulary for the head's output ``[..., hidden]`` (``eagle3``: after
+        its final norm, through its own LM head)."""
+        if self.eagle3:
+            return torch.nn.functional.linear(self.norm(hidden), self.lm_head.weight).float()
         return torch.nn.functional.linear(hidden, self._borrowed["lm_weight"]).float()
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of the target's LM head over the draft vocabulary for the target's final features
+        ``[..., hidden]``: the distribution training distils."""
+        return torch.nn.functional.linear(features, self._borrowed["lm_weight"]).float()
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -280,7 +394,14 @@ class LeanHead(nn.Module):
         config = head.config.transformers_config()
         self.head = head
         self.fc = head.fc
-        self.layers = nn.ModuleList(LeanLayer(layer, config) for layer in head.layers)
+        self.eagle3 = head.eagle3
+        self.hidden_size = head.config.hidden_size
+        self.input_size = head.config.input_size
+        if self.eagle3:
+            norm_before_residual = head.config.norm_before_residual
+            self.layers = nn.ModuleList(LeanEagle3Layer(layer, config, norm_before_residual) for layer in head.layers)
+        else:
+            self.layers = nn.ModuleList(LeanLayer(layer, config) for layer in head.layers)
         self.embed = head._borrowed["embed"]
         self.shape = AttentionShape.of(config)
         weight = head.fc.weight
@@ -294,7 +415,7 @@ class LeanHead(nn.Module):
 
     def forward(
         self,
-        features: torch.Tensor,  # [1, q, hidden]: f_j (the target's, or the head's own prediction)
+        features: torch.Tensor,  # [1, q, input_size or hidden]: the target's features, or the head's own output
         next_tokens: torch.Tensor,  # [1, q]: x_{j+1}
         positions: torch.Tensor,  # [1, q]
         slots: torch.Tensor,  # [q]
@@ -302,10 +423,15 @@ class LeanHead(nn.Module):
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
     ) -> torch.Tensor:
-        """Predicted next features ``[1, q, hidden]``."""
+        """The head's output ``[1, q, hidden]`` (``EagleHead.forward``)."""
         embeds = self.embed(next_tokens).to(features.dtype)
-        hidden = self.fc(torch.cat([embeds, features], dim=-1))
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if self.eagle3:
+            hidden = self.fc(features) if features.shape[-1] != self.hidden_size else features
+            for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+                hidden = layer(hidden, cos, sin, slots, mask, layer_keys, layer_values, embeds=embeds)
+            return hidden
+        hidden = self.fc(torch.cat([embeds, features], dim=-1))
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             hidden = layer(hidden, cos, sin, slots, mask, layer_keys, layer_values)
         return hidden
@@ -396,6 +522,13 @@ def check_compatible(config: HeadConfig, target: "Target") -> None:
         problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
     if config.model_type != target.config.model_type:
         problems.append(f"architecture {config.model_type!r} != target's {target.config.model_type!r}")
+    if config.kind not in HEAD_KINDS:
+        problems.append(f"head kind must be one of {', '.join(HEAD_KINDS)}, got {config.kind!r}")
+    elif config.kind == "eagle3":
+        layers = int(target.config.num_hidden_layers)
+        aux = config.aux_layers
+        if not isinstance(aux, list) or len(aux) != 3 or any(type(i) is not int or not 0 <= i < layers for i in aux):
+            problems.append(f"aux_layers must be 3 layer indices in [0, {layers}), got {aux!r}")
     if problems:
         raise HeadMismatchError(
             f"head for {config.target_name!r} does not fit target {target.name!r}: " + "; ".join(problems)

@@ -14,6 +14,14 @@ to the keys of its own chain (depths 2..k), one diagonal per depth. That gives t
 depth under the chain's own inputs and a simulated acceptance length, the numbers that tell during training
 whether decoding will accept anything (``rollout_metrics``); ``eagle_loss(depth > 1)`` trains on it.
 
+EAGLE-3 heads (``HeadConfig.kind == "eagle3"``, arXiv 2503.01840 section 3): the head reads the fused
+low / middle / high features (``inputs`` ``[B, n, 3h]``) at depth 1 and its own output at deeper depths; its
+output is not a target feature, so the loss is the soft cross-entropy alone (no feature regression), every
+depth of the rollout weighted ``depth_decay^(k-1)``, and positions whose next data token lies outside a
+reduced draft vocabulary are masked out (the reference masks on the target's argmax; the data token is the
+target's own greedy choice for regenerated data and costs no full-vocabulary logits). ``LossConfig.for_kind``
+gives each kind its defaults.
+
 Shapes: B batch, n tokens (right-padded), h hidden, V draft vocabulary.
 """
 
@@ -36,6 +44,15 @@ class LossConfig:
     noise: float = 0.1  # U(-noise, noise) added to input features
     depth: int = 1  # >1: also train on the head's rolled-out predictions (training-time test)
     depth_decay: float = 0.8  # weight of depth k is decay^(k-1)
+
+    @classmethod
+    def for_kind(cls, kind: str, **overrides) -> "LossConfig":
+        """Defaults per head kind: EAGLE-1's (above), or EAGLE-3's (cross-entropy only, a 7-step
+        training-time test, no input noise: the test's own errors take its place). ``overrides`` that are
+        None keep the default."""
+        base = {"w_feature": 0.0, "w_token": 1.0, "noise": 0.0, "depth": 7} if kind == "eagle3" else {}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
 
 
 def target_token_ids(head: EagleHead, tokens: torch.Tensor) -> torch.Tensor:
@@ -65,7 +82,8 @@ def _chain_mask(length: int, depth: int, dtype: torch.dtype, device: torch.devic
 def rollout(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int, *, noise: float = 0.0) -> list[torch.Tensor]:
     """The head's predictions at depths 1..``depth`` for every origin position.
 
-    ``features`` ``[B, n, h]`` are the target's f_0..f_{n-1} and ``tokens`` ``[B, n]`` x_0..x_{n-1}. Output k
+    ``features`` ``[B, n, input]`` are what the head reads from the target at f_0..f_{n-1} (its final
+    features; the fused ones for an EAGLE-3 head) and ``tokens`` ``[B, n]`` x_0..x_{n-1}. Output k
     (0-based, depth k+1) is ``[B, n-1, h]``: row j predicts f_{j+k+1} having read f_j (true) and then its own
     predictions, with tokens x_{j+1}..x_{j+k+1} (teacher-forced along the true path, which is the only path
     whose acceptance counts). Rows whose targets run past the sequence are garbage; callers mask them.
@@ -112,31 +130,45 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def eagle_loss(
-    head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, loss_mask: torch.Tensor, config: LossConfig = LossConfig()
+    head: EagleHead,
+    features: torch.Tensor,
+    tokens: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig = LossConfig(),
+    *,
+    inputs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The EAGLE loss over a right-padded batch; returns (loss, metrics).
+    """The EAGLE loss over a right-padded batch; returns (loss, metrics). ``features`` ``[B, n, h]`` are the
+    target's final features (the distribution to distil, and EAGLE-1's regression target); ``inputs`` what
+    the head reads (EAGLE-3: the fused ``[B, n, 3h]``; default ``features``).
 
     metrics: ``loss``, ``feature_loss``, ``token_loss`` (depth 1), ``acc_1`` (depth-1 top-1 accuracy of the
     draft against the true next token) and, when ``config.depth > 1``, the same per depth.
     """
-    predictions = rollout(head, features, tokens, config.depth, noise=config.noise)
+    eagle3 = head.config.kind == "eagle3"
+    predictions = rollout(head, features if inputs is None else inputs, tokens, config.depth, noise=config.noise)
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     weight_sum = 0.0
     for k, predicted in enumerate(predictions):
+        truth = target_token_ids(head, _shift(tokens, k + 2))  # x_{j+k+2}, as a draft id (-1: outside)
         valid = _valid(loss_mask, k)
+        if eagle3:
+            valid = valid & (truth >= 0)
         count = valid.sum().clamp(min=1)
         wanted = _shift(features, k + 1)  # f_{j+k+1}
-        feature_loss = (F.smooth_l1_loss(predicted.float(), wanted.float(), reduction="none").mean(-1) * valid).sum() / count
+        if eagle3:  # the head's output is its own state, not a target feature: nothing to regress
+            feature_loss = predicted.new_zeros((), dtype=torch.float32)
+        else:
+            feature_loss = (F.smooth_l1_loss(predicted.float(), wanted.float(), reduction="none").mean(-1) * valid).sum() / count
         with torch.no_grad():
-            p = torch.softmax(head.draft_logits(wanted), dim=-1)  # target's distribution on the draft rows
+            p = torch.softmax(head.target_logits(wanted), dim=-1)  # target's distribution on the draft rows
         log_q = torch.log_softmax(head.draft_logits(predicted), dim=-1)
         token_loss = (-(p * log_q).sum(-1) * valid).sum() / count
         weight = config.depth_decay**k
         total = total + weight * (config.w_feature * feature_loss + config.w_token * token_loss)
         weight_sum += weight
         with torch.no_grad():
-            truth = target_token_ids(head, _shift(tokens, k + 2))  # x_{j+k+2}
             correct = (log_q.argmax(-1) == truth) & valid
             metrics[f"acc_{k + 1}"] = float(correct.sum() / count)
         if k == 0:
@@ -156,6 +188,7 @@ def rollout_metrics(
     depth: int,
     *,
     greedy: torch.Tensor | None = None,
+    inputs: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Per-depth top-1 accuracy along the data path (``acc_k`` = P(depth k right | depths < k right)) and the
     simulated acceptance length of a depth-``depth`` chain, ``sim_tau`` = 1 + E[run of right drafts], the
@@ -164,8 +197,8 @@ def rollout_metrics(
     "Right" means equal to the data's next token, or, with ``greedy`` ``[B, n]`` (the target's own argmax
     after each position: ``greedy[:, t]`` = argmax of its logits at f_t), equal to what the target would
     pick there, which is what greedy verification accepts. Use ``greedy`` when the data is not the target's
-    own greedy output (e.g. ShareGPT's answers)."""
-    predictions = rollout(head, features, tokens, depth)
+    own greedy output (e.g. ShareGPT's answers). ``inputs``: what the head reads, as in ``eagle_loss``."""
+    predictions = rollout(head, features if inputs is None else inputs, tokens, depth)
     base = _valid(loss_mask, 0)
     alive = base.clone()
     run = torch.zeros_like(base, dtype=torch.long)

@@ -153,9 +153,14 @@ class LeanLayer(nn.Module):
         values: torch.Tensor,
     ) -> torch.Tensor:
         """The layer's output residual stream ``[B, q, hidden]``; writes this step's keys and values."""
+        x = residual if self.skip_input_norm else rms_norm(residual, self.input_norm.weight, self.eps)
+        return self.block(x, residual, cos, sin, slots, mask, keys, values)
+
+    def block(self, x, residual, cos, sin, slots, mask, keys, values) -> torch.Tensor:
+        """Attention over ``x`` (the normed input, ``[B, q, in]``) added to ``residual`` ``[B, q, hidden]``,
+        then the MLP: the layer after its input norm."""
         batch, q, _ = residual.shape
         shape = self.shape
-        x = residual if self.skip_input_norm else rms_norm(residual, self.input_norm.weight, self.eps)
         query = self.q_proj(x).view(batch, q, shape.heads, shape.head_dim)
         key = self.k_proj(x).view(batch, q, shape.kv_heads, shape.head_dim)
         value = self.v_proj(x).view(batch, q, shape.kv_heads, shape.head_dim).transpose(1, 2)
@@ -182,15 +187,40 @@ class LeanLayer(nn.Module):
         return residual + self.down_proj(F.silu(self.gate_proj(hidden)) * self.up_proj(hidden))
 
 
+class LeanEagle3Layer(LeanLayer):
+    """An EAGLE-3 head's decoder layer (arXiv 2503.01840; the layout of vLLM's ``llama_eagle3.py``): the
+    attention reads ``[input_norm(embedding); hidden_norm(feature)]`` (2 x hidden; q/k/v are that wide) and
+    adds to the feature itself (``norm_before_residual``: to its normed value), then the MLP as usual."""
+
+    def __init__(self, layer: nn.Module, config, norm_before_residual: bool = False) -> None:
+        super().__init__(layer, config)
+        self.hidden_norm = layer.hidden_norm
+        self.norm_before_residual = norm_before_residual
+
+    def forward(self, residual, cos, sin, slots, mask, keys, values, embeds: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
+        normed = rms_norm(residual, self.hidden_norm.weight, self.eps)
+        if self.norm_before_residual:
+            residual = normed
+        x = torch.cat([rms_norm(embeds, self.input_norm.weight, self.eps), normed], dim=-1)
+        return self.block(x, residual, cos, sin, slots, mask, keys, values)
+
+
 class LeanModel(nn.Module):
     """A target's backbone and LM head as ``LeanLayer``s over a ``KVCache``.
 
     ``forward`` returns features (the final-norm hidden states that feed the LM head, EAGLE's *feature*);
     ``step`` adds the LM head, and ``greedy`` the argmax after float32 rescoring of near-ties.
+
+    ``head_layers`` (an EAGLE-3 head's ``aux_layers``): what ``hidden`` / ``step`` hand the head is then the
+    residual streams entering those decoder layers, concatenated in that order (``[.., 3 x hidden]``),
+    instead of the final features.
     """
 
-    def __init__(self, backbone: nn.Module, lm_head: nn.Linear, config, max_positions: int) -> None:
+    def __init__(self, backbone: nn.Module, lm_head: nn.Linear, config, max_positions: int, head_layers: tuple[int, ...] = ()) -> None:
         super().__init__()
+        if any(not 0 <= i < len(backbone.layers) for i in head_layers):
+            raise EagleError(f"head layers {head_layers} fall outside the target's {len(backbone.layers)} layers")
+        self.head_layers = tuple(head_layers)
         self.embed_tokens = backbone.embed_tokens
         self.layers = nn.ModuleList(LeanLayer(layer, config) for layer in backbone.layers)
         self.norm = backbone.norm
@@ -218,27 +248,39 @@ class LeanModel(nn.Module):
         values: list[torch.Tensor],
     ) -> torch.Tensor:
         """Features ``[B, q, hidden]``."""
+        return self.hidden(input_ids, positions, slots, mask, keys, values)[0]
+
+    def hidden(self, input_ids, positions, slots, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features ``[B, q, hidden]``, the head's input ``[B, q, hidden or 3 x hidden]``: the features, or
+        the ``head_layers``' input streams concatenated)."""
         residual = self.embed_tokens(input_ids)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # [1, 1, q, head_dim]
-        for layer, layer_keys, layer_values in zip(self.layers, keys, values):
+        captured: dict[int, torch.Tensor] = {}
+        for index, (layer, layer_keys, layer_values) in enumerate(zip(self.layers, keys, values)):
+            if index in self.head_layers:
+                captured[index] = residual
             residual = layer(residual, cos, sin, slots, mask, layer_keys, layer_values)
-        return rms_norm(residual, self.norm.weight, self.eps)
+        features = rms_norm(residual, self.norm.weight, self.eps)
+        if not self.head_layers:
+            return features, features
+        return features, torch.cat([captured[i] for i in self.head_layers], dim=-1)
 
     def step(self, input_ids, positions, slots, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(features ``[q, hidden]``, logits ``[q, V]`` float32, greedy ids ``[q]``): one decode or
-        verification step, the function ``eagle.compile`` compiles per width."""
-        features = self.forward(input_ids, positions, slots, mask, keys, values)[0]
+        """(the head's input ``[q, hidden or 3 x hidden]`` (see ``hidden``), logits ``[q, V]`` float32, greedy
+        ids ``[q]``): one decode or verification step, the function ``eagle.compile`` compiles per width."""
+        features, head_input = self.hidden(input_ids, positions, slots, mask, keys, values)
+        features = features[0]
         logits = self.lm_head(features)
-        return features, logits.float(), self.greedy(features, logits)
+        return head_input[0], logits.float(), self.greedy(features, logits)
 
     def step_rows(self, input_ids, positions, slots, mask, keys, values) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``step`` over a batch (``eagle.batch``): (features ``[B, q, hidden]``, logits ``[B, q, V]``
+        """``step`` over a batch (``eagle.batch``): (the head's input ``[B, q, ...]``, logits ``[B, q, V]``
         float32, greedy ids ``[B, q]``); row b reads and writes only cache row b."""
-        features = self.forward(input_ids, positions, slots, mask, keys, values)
+        features, head_input = self.hidden(input_ids, positions, slots, mask, keys, values)
         logits = self.lm_head(features)
         batch, q = input_ids.shape
         greedy = self.greedy(features.reshape(batch * q, -1), logits.reshape(batch * q, -1))
-        return features, logits.float(), greedy.reshape(batch, q)
+        return head_input, logits.float(), greedy.reshape(batch, q)
 
     def greedy(self, features: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Argmax per row ``[q]``. In bf16/fp16 the LM head's output is rounded to a few bits, so candidates

@@ -84,7 +84,7 @@ def profile_forward(
     prompt = torch.randint(0, target.vocab_size, (context,), generator=generator).to(device)
     capacity = context + max(max(sizes), draft_width) + 1
     cache = runtime.new_cache(capacity)
-    features = runtime.prefill(prompt, cache)
+    features, _ = runtime.prefill(prompt, cache)
     result: dict = {
         "target": target.name,
         "dtype": str(target.dtype).replace("torch.", ""),

@@ -44,17 +44,24 @@ def step_inputs(width: int, start: int, device) -> tuple[torch.Tensor, torch.Ten
 
 
 class TargetRuntime:
-    """The target's ``LeanModel``, its compiled ``step`` per width, and its eager prefill."""
+    """The target's ``LeanModel``, its compiled ``step`` per width, and its eager prefill. ``head_layers``:
+    the target layers an EAGLE-3 head reads (``LeanModel``); empty for plain decoding and EAGLE-1 heads."""
 
-    def __init__(self, target: Target, compile: CompileConfig) -> None:
+    def __init__(self, target: Target, compile: CompileConfig, head_layers: tuple[int, ...] = ()) -> None:
         self.target = target
         self.compile = compile
-        self.model = LeanModel(target.backbone, target.lm_head, target.config, context_limit(target))
+        self.head_layers = tuple(head_layers)
+        self.model = self._lean()
         self._steps: dict[int, CompiledFunction] = {}
         self._rows_model: LeanModel | None = None
 
+    def _lean(self) -> LeanModel:
+        target = self.target
+        return LeanModel(target.backbone, target.lm_head, target.config, context_limit(target), self.head_layers)
+
     def step(self, width: int) -> CompiledFunction:
-        """``LeanModel.step`` over ``width`` tokens: (features ``[w, h]``, logits ``[w, V]``, greedy ids ``[w]``)."""
+        """``LeanModel.step`` over ``width`` tokens: (the head's input ``[w, h or 3h]``, logits ``[w, V]``,
+        greedy ids ``[w]``)."""
         if width not in self._steps:
             self._steps[width] = CompiledFunction(
                 (self.model, "step"), f"{self.target.name} step[{width}]", self.compile, self.target.device, _STEP_DYNAMIC
@@ -70,8 +77,7 @@ class TargetRuntime:
         graph per batch size costs minutes of compilation each."""
         if self._rows_model is None:
             if self.compile.enabled and packable(self.model.lm_head.weight):
-                model = LeanModel(self.target.backbone, self.target.lm_head, self.target.config, context_limit(self.target))
-                self._rows_model = pack_linears(model)
+                self._rows_model = pack_linears(self._lean())
             else:
                 self._rows_model = self.model
         return self._rows_model
@@ -80,12 +86,14 @@ class TargetRuntime:
         return self.model.new_cache(capacity, rows)
 
     @torch.inference_mode()
-    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Features ``[n, hidden]`` of ``prompt`` ``[n]``, written to cache slots ``0..n-1``."""
+    def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features ``[n, hidden]``, the head's input ``[n, hidden or 3 x hidden]``) of ``prompt`` ``[n]``,
+        written to cache slots ``0..n-1``."""
         n = prompt.numel()
         device = prompt.device
         positions = torch.arange(n, device=device)
-        return self.model(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)[0]
+        features, head_input = self.model.hidden(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)
+        return features[0], head_input[0]
 
     def compile_seconds(self) -> dict[str, float]:
         return {f.name: f.compile_s for f in self._steps.values() if f.compile_s is not None}
@@ -181,12 +189,14 @@ def pack_linears(module: nn.Module) -> nn.Module:
     return module
 
 
-def target_runtime(target: Target, compile: CompileConfig) -> TargetRuntime:
-    """The shared runtime of ``target`` under ``compile`` (built on first use, kept on the target)."""
+def target_runtime(target: Target, compile: CompileConfig, head_layers: tuple[int, ...] = ()) -> TargetRuntime:
+    """The shared runtime of ``target`` under ``compile`` for heads reading ``head_layers`` (built on first
+    use, kept on the target)."""
     runtimes = target.__dict__.setdefault("_runtimes", {})
-    if compile not in runtimes:
-        runtimes[compile] = TargetRuntime(target, compile)
-    return runtimes[compile]
+    key = (compile, tuple(head_layers))
+    if key not in runtimes:
+        runtimes[key] = TargetRuntime(target, compile, key[1])
+    return runtimes[key]
 
 
 def head_runtime(head: EagleHead, target: Target, compile: CompileConfig) -> HeadRuntime:

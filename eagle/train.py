@@ -3,7 +3,8 @@ batches of feature records, padding, the optimizer and the warmup schedule of EA
 section 5: AdamW(β1=0.9, β2=0.95), gradient clipping at 0.5).
 
 A record is a dict with ``input_ids`` ``[n]``, ``loss_mask`` ``[n]`` and ``features`` ``[n, h]`` (the target's
-last hidden state at every position, as written by the feature job or computed online).
+last hidden state at every position, as written by the feature job or computed online), and for EAGLE-3
+heads ``aux_features`` ``[n, 3h]`` (the fused low / middle / high streams the head reads).
 
 Does not own: distribution, checkpoints, logging backends (``jobs/train_head.py``).
 """
@@ -26,13 +27,15 @@ class Batch:
     input_ids: torch.Tensor  # [B, n] long, right-padded with 0
     loss_mask: torch.Tensor  # [B, n] (0 on padding)
     features: torch.Tensor  # [B, n, h]
+    aux_features: torch.Tensor | None = None  # [B, n, 3h]: an EAGLE-3 head's input
 
     @property
     def tokens(self) -> int:
         return int(self.loss_mask.shape[0] * self.loss_mask.shape[1])
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "Batch":
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.features.to(device=device, dtype=dtype or self.features.dtype))
+        move = lambda t: None if t is None else t.to(device=device, dtype=dtype or t.dtype)  # noqa: E731
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), move(self.features), move(self.aux_features))
 
 
 def collate(records: Sequence[dict[str, torch.Tensor]], max_length: int | None = None) -> Batch:
@@ -46,12 +49,17 @@ def collate(records: Sequence[dict[str, torch.Tensor]], max_length: int | None =
     ids = torch.zeros(len(records), n, dtype=torch.long)
     mask = torch.zeros(len(records), n, dtype=torch.long)
     feats = torch.zeros(len(records), n, hidden, dtype=records[0]["features"].dtype if stored else torch.float32)
+    aux = None
+    if stored and "aux_features" in records[0]:
+        aux = torch.zeros(len(records), n, int(records[0]["aux_features"].shape[-1]), dtype=records[0]["aux_features"].dtype)
     for i, (record, length) in enumerate(zip(records, lengths)):
         ids[i, :length] = record["input_ids"][:length].long()
         mask[i, :length] = record["loss_mask"][:length].long()
         if stored:
             feats[i, :length] = record["features"][:length]
-    return Batch(ids, mask, feats)
+        if aux is not None:
+            aux[i, :length] = record["aux_features"][:length]
+    return Batch(ids, mask, feats, aux)
 
 
 def token_budget_batches(lengths: Sequence[int], batch_tokens: int, *, seed: int, epoch: int) -> list[list[int]]:
@@ -102,7 +110,7 @@ def compute_loss(head: EagleHead, batch: Batch, config: LossConfig, *, autocast_
     """The forward half of a step: loss and metrics for one batch (bf16 autocast optional)."""
     device = next(head.parameters()).device
     with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-        return eagle_loss(head, batch.features, batch.input_ids, batch.loss_mask, config)
+        return eagle_loss(head, batch.features, batch.input_ids, batch.loss_mask, config, inputs=batch.aux_features)
 
 
 def train_step(

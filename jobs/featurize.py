@@ -44,10 +44,11 @@ from typing import Any, Sequence
 import torch
 
 from eagle.errors import EagleError
+from eagle.head import default_aux_layers
 from jobs import layout
 from eagle.target import cache_root
 from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
-from jobs.frozen_target import DTYPES, aux_layer_indices, load_frozen_target_zero3, partition_numel, resident_numel, zero3_config
+from jobs.frozen_target import DTYPES, load_frozen_target_zero3, partition_numel, resident_numel, zero3_config
 from jobs.presets import Preset, get_preset
 from jobs.storage import Storage
 
@@ -349,7 +350,8 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
 
     num_layers = int(model_config.num_hidden_layers)
     hidden_size = int(model_config.hidden_size)
-    aux = list(aux_layer_indices(num_layers)) if cfg.aux_layers else None
+    # EAGLE-3 heads read these layers: stored when asked, or when the preset trains an eagle3 head
+    aux = list(default_aux_layers(num_layers)) if cfg.aux_layers or preset.train.head_kind == "eagle3" else None
     splits = [s for s in layout.SPLITS if (data_manifest.get("splits") or {}).get(s) is not None]
     config: dict[str, Any] = {
         "hf_dir": str(hf_dir), "dataset_uri": dataset.url(), "dtype": cfg.dtype, "zero_stage": cfg.zero_stage,

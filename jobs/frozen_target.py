@@ -19,13 +19,6 @@ from eagle.target import Target, adapter_for
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def aux_layer_indices(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high layers: the hidden states entering decoder layers ``2, L//2, L-3``
-    (as the reference implementation collects them), clamped to ``[0, L-1]`` for very shallow models.
-    Index ``i`` equals transformers' ``hidden_states[i]`` (0 = the embeddings)."""
-    return tuple(max(0, min(num_layers - 1, i)) for i in (2, num_layers // 2, num_layers - 3))  # type: ignore[return-value]
-
-
 class FeatureExtractor(nn.Module):
     """Wraps a Hugging Face causal LM; ``forward`` runs only its backbone (no LM-head logits) and returns
     ``(features [b, q, h], aux [b, q, 3h] | None)``.
@@ -204,8 +197,13 @@ class ShardedTarget(Target):
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The final-norm hidden states ``[b, q, hidden]`` for ``input_ids`` ``[b, q]`` (right padding is harmless:
         attention is causal)."""
+        return self.hidden(input_ids)[0]
+
+    def hidden(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(final features ``[b, q, hidden]``, the ``aux_layers``' input streams ``[b, q, 3 x hidden]`` or None
+        when loaded without them)."""
         with torch.no_grad():
-            return self.engine(input_ids)[0]
+            return self.engine(input_ids)
 
     def numel(self) -> int:
         """Parameter elements of the whole target (the sum over ranks of what ZeRO-3 partitioned)."""
@@ -222,16 +220,20 @@ class ShardedTarget(Target):
         return self.embed_tokens.weight.numel() + (0 if tied else self.lm_head.weight.numel())
 
 
-def load_sharded_target(spec: str, dtype: str, *, device: torch.device | str | None = None, persistence_threshold: int | None = None) -> ShardedTarget:
+def load_sharded_target(
+    spec: str, dtype: str, *, device: torch.device | str | None = None, persistence_threshold: int | None = None,
+    aux_layers: Sequence[int] | None = None,
+) -> ShardedTarget:
     """``spec`` (a built-in name or a local HF directory) loaded frozen and ZeRO-3 partitioned across the
-    current process group; every rank must call it."""
+    current process group, its forward also returning the ``aux_layers``' input streams (an EAGLE-3 head's
+    input); every rank must call it."""
     from transformers import AutoTokenizer
 
     from eagle.target import resolve_target
 
     directory, name, revision = resolve_target(spec)
     engine = load_frozen_target_zero3(
-        directory, dtype, zero3_config(dtype, persistence_threshold=persistence_threshold), device=device
+        directory, dtype, zero3_config(dtype, persistence_threshold=persistence_threshold), aux_layers=aux_layers, device=device
     )
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return ShardedTarget(engine, tokenizer, name=name, revision=revision)

@@ -78,16 +78,20 @@ class TrainConfig:
     clip: float = 0.5
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.0
-    noise: float = 0.1  # U(-noise, noise) on input features
-    w_feature: float = 1.0
-    w_token: float = 0.1
+    # the head kind (eagle.head.HeadConfig.kind): eagle1, or eagle3 (fused low/mid/high target layers; offline
+    # training needs features made with aux_layers)
+    head_kind: str = "eagle1"
+    # the loss (eagle.loss.LossConfig); None: the head kind's default (LossConfig.for_kind)
+    noise: float | None = None  # U(-noise, noise) on input features (eagle1 0.1, eagle3 0)
+    w_feature: float | None = None  # eagle1 1.0, eagle3 0 (no feature regression)
+    w_token: float | None = None  # eagle1 0.1, eagle3 1.0
     draft_vocab_size: int | None = 16384  # None = the full target vocabulary
     # the head's layout (eagle.head.HeadConfig); both False is what vLLM's and SGLang's EAGLE-1 loaders build,
     # so the head can be exported to them (``eaglectl head export``)
     fc_bias: bool = False
     input_norm: bool = False
     autocast_bf16: bool = True  # bf16 compute, fp32 master weights
-    rollout_depth: int = 1  # >1: also train on the head's own predicted features (EAGLE-3 training-time test)
+    rollout_depth: int | None = None  # >1: also train on the head's own predictions (training-time test); eagle1 1, eagle3 7
     metrics_depth: int = 5  # per-depth top-1 accuracy and simulated acceptance on held-out records
     checkpoint_every: int = 100  # optimizer steps
     log_every: int = 10
@@ -176,6 +180,20 @@ def quick() -> Preset:
             max_minutes=6.5, checkpoint_every=20, log_every=5,
         ),
         eval=EvalConfig(prompts=10, max_new_tokens=96, dtype="bfloat16", promote_tau=1.4),
+    )
+
+
+def quick_eagle3() -> Preset:
+    """``quick`` with an EAGLE-3 head (arXiv 2503.01840): features also store the low / middle / high layers,
+    the head fuses them and trains with the 7-step training-time test on the same data and the same 6.5
+    training minutes (the side-by-side of docs/benchmarks.md)."""
+    base = quick()
+    return replace(
+        base,
+        name="quick-eagle3",
+        description="quick, with an EAGLE-3 head (fused target layers, 7-step training-time test)",
+        features=replace(base.features, aux_layers=True),
+        train=replace(base.train, head_kind="eagle3"),
     )
 
 
@@ -310,6 +328,7 @@ def a100_70b() -> Preset:
 PRESETS: dict[str, Callable[[], Preset]] = {
     "smoke": smoke,
     "quick": quick,
+    "quick-eagle3": quick_eagle3,
     "cpu-long": cpu_long,
     "a100-7b": a100_7b,
     "a100-13b": a100_13b,

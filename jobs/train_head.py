@@ -128,13 +128,17 @@ def _train_loop(config: dict[str, Any]) -> None:
     if train.online:  # the frozen target partitioned across the ranks (ZeRO-3); only its embedding and LM head whole
         from jobs.frozen_target import load_sharded_target
 
-        target = load_sharded_target(config["target_spec"], target_dtype, device=device, persistence_threshold=train.target_persistence_threshold)
+        target = load_sharded_target(
+            config["target_spec"], target_dtype, device=device, persistence_threshold=train.target_persistence_threshold,
+            aux_layers=config.get("aux_layers"),
+        )
     else:  # offline: features come from the shards; the head borrows the target's embedding and LM head
         target = load_target(config["target_spec"], dtype=target_dtype, device=str(device))
     target.model.requires_grad_(False)
     draft_ids = _draft_vocab(storage, target, train.draft_vocab_size)
     head = EagleHead.for_target(
-        target, seed=train.seed, draft_token_ids=draft_ids, fc_bias=train.fc_bias, input_norm=train.input_norm
+        target, seed=train.seed, draft_token_ids=draft_ids, fc_bias=train.fc_bias, input_norm=train.input_norm,
+        kind=train.head_kind, aux_layers=config.get("aux_layers"),
     ).to(torch.float32)
 
     stage = layout.DATA if train.online else layout.FEATURES
@@ -168,7 +172,7 @@ def _train_loop(config: dict[str, Any]) -> None:
         return lr
 
     deadline = None if train.max_minutes is None else train.max_minutes * 60.0
-    loss_config = LossConfig(w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
+    loss_config = LossConfig.for_kind(train.head_kind, w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
 
     step, elapsed, resumed_from = 0, 0.0, 0
     checkpoint = ray.train.get_checkpoint()
@@ -192,7 +196,7 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     def features_of(batch):
         if train.online:
-            batch.features = target.features(batch.input_ids.to(device))
+            batch.features, batch.aux_features = target.hidden(batch.input_ids.to(device))
         return batch
 
     eval_batch = None
@@ -209,7 +213,8 @@ def _train_loop(config: dict[str, Any]) -> None:
             greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=train.autocast_bf16):
             metrics = rollout_metrics(
-                engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth, greedy=greedy
+                engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth, greedy=greedy,
+                inputs=eval_batch.aux_features,
             )
         engine.module.train()
         return {f"eval_{k}": v for k, v in metrics.items() if k != "positions"}
@@ -301,11 +306,19 @@ class _Tracker:
 # ---- the driver -------------------------------------------------------------------------------------------
 
 
-def _validate(preset: Preset, storage_uri: str, target_spec: str) -> tuple[Any, str, str, dict]:
-    """Cheap checks before any worker starts; returns (dataset storage, target name, revision, manifests)."""
+def _validate(preset: Preset, storage_uri: str, target_spec: str) -> tuple[Any, str, str, dict, list[int] | None]:
+    """Cheap checks before any worker starts; returns (dataset storage, target name, revision, manifests, the
+    target layers an EAGLE-3 head reads or None)."""
+    from eagle.head import HEAD_KINDS, default_aux_layers
     from eagle.target import resolve_target
 
-    _, name, revision = resolve_target(target_spec)
+    directory, name, revision = resolve_target(target_spec)
+    kind = preset.train.head_kind
+    if kind not in HEAD_KINDS:
+        raise EagleError(f"head_kind must be one of {', '.join(HEAD_KINDS)}, got {kind!r}")
+    aux = None
+    if kind == "eagle3":
+        aux = list(default_aux_layers(int(json.loads((Path(directory) / "config.json").read_text())["num_hidden_layers"])))
     storage = layout.dataset_storage(storage_uri, name, preset.dataset)
     stage = layout.DATA if preset.train.online else layout.FEATURES
     manifest_path = f"{stage}/{layout.MANIFEST}"
@@ -318,10 +331,15 @@ def _validate(preset: Preset, storage_uri: str, target_spec: str) -> tuple[Any, 
             f"{storage.url(manifest_path)} was made from {name} revision {manifest.get('target_revision')}, "
             f"but the target is now {revision}: regenerate the {stage}"
         )
+    if aux is not None and stage == layout.FEATURES and manifest.get("aux_layers") != aux:
+        raise EagleError(
+            f"{storage.url(manifest_path)} holds the layers {manifest.get('aux_layers')}, but an eagle3 head reads {aux}: "
+            f"rerun jobs.featurize --preset {preset.name} --aux-layers"
+        )
     manifests = {stage: manifest}
     if stage == layout.FEATURES and storage.exists(f"{layout.DATA}/{layout.MANIFEST}"):
         manifests[layout.DATA] = storage.read_json(f"{layout.DATA}/{layout.MANIFEST}")
-    return storage, name, revision, manifests
+    return storage, name, revision, manifests, aux
 
 
 def train(
@@ -343,7 +361,7 @@ def train(
     from eagle_platform.registry import Registry, with_retries
 
     target_spec = target_spec or preset.target
-    storage, name, revision, manifests = _validate(preset, storage_uri, target_spec)
+    storage, name, revision, manifests, aux_layers = _validate(preset, storage_uri, target_spec)
     run_name, lease = lease_run_name(run_name or f"{name}-{preset.dataset}-{preset.name}", explicit=run_name is not None)
     reg = Registry(tracking_uri)  # default: $MLFLOW_TRACKING_URI or the local stack
     runs = reg.runs
@@ -370,6 +388,7 @@ def train(
         config = {
             "train": asdict(preset.train),
             "target_spec": target_spec,
+            "aux_layers": aux_layers,
             "dataset_uri": storage.url(),
             "deepspeed": ds_config,
             "run_id": run_id,
@@ -489,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--batch-tokens", type=int, default=None)
     parser.add_argument("--checkpoint-every", type=int, default=None)
-    parser.add_argument("--rollout-depth", type=int, default=None)
+    parser.add_argument("--rollout-depth", type=int, default=None, help="training-time test depth (default: the head kind's, eagle1 1, eagle3 7)")
+    parser.add_argument("--head-kind", choices=("eagle1", "eagle3"), default=None, help="the head kind (default: the preset's)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="0 = the full target vocabulary")
     parser.add_argument("--online", action="store_true", default=None, help="compute features in the loop")
     parser.add_argument(
@@ -505,7 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(args: argparse.Namespace) -> int:
     overrides = {
         key: getattr(args, key)
-        for key in ("workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online", "target_persistence_threshold")
+        for key in (
+            "workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online",
+            "target_persistence_threshold", "head_kind",
+        )
         if getattr(args, key) is not None
     }
     if args.draft_vocab_size is not None:

@@ -49,24 +49,33 @@ def continuations(target: Target, *, sequences: int, length: int, prompt_len: in
     return ids
 
 
+def target_features(target: Target, tokens: torch.Tensor, head: EagleHead) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(final features ``[B, n, h]``, the EAGLE-3 head's fused input ``[B, n, 3h]`` or None) for ``tokens``."""
+    with torch.no_grad():
+        out = target.backbone(input_ids=tokens, output_hidden_states=True)
+    layers = head.config.head_layers
+    return out.last_hidden_state, (torch.cat([out.hidden_states[i] for i in layers], dim=-1) if layers else None)
+
+
 def train_head(
-    target: Target, *, seed: int = 0, steps: int = 300, lr: float = 1e-2, temperature: float = 1.0, sequences: int = 32, length: int = 40
+    target: Target, *, seed: int = 0, steps: int = 300, lr: float = 1e-2, temperature: float = 1.0, sequences: int = 32, length: int = 40,
+    kind: str = "eagle1",
 ) -> EagleHead:
-    """A head trained with EAGLE's loss on greedy and sampled continuations of random prompts."""
-    head = EagleHead.for_target(target, seed=seed)
+    """A head of ``kind`` trained with its EAGLE loss on greedy and sampled continuations of random prompts."""
+    head = EagleHead.for_target(target, seed=seed, kind=kind)
     head.train()
     greedy = continuations(target, sequences=sequences // 2, length=length, temperature=0.0, seed=seed)
     sampled = continuations(target, sequences=sequences - sequences // 2, length=length, temperature=temperature, seed=seed + 1)
     tokens = torch.cat([greedy, sampled]).to(target.device)  # [B, n]
-    with torch.no_grad():
-        features = target.backbone(input_ids=tokens).last_hidden_state  # [B, n, hidden]: f_0..f_{n-1}
+    features, inputs = target_features(target, tokens, head)  # f_0..f_{n-1}
     loss_mask = torch.ones_like(tokens)
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
-    config = LossConfig(noise=0.0)  # exact, repeatable heads for the losslessness tests
+    # exact, repeatable heads for the losslessness tests (no input noise); eagle3: a 3-step training-time test
+    config = LossConfig.for_kind(kind, noise=0.0, depth=3 if kind == "eagle3" else None)
     with single_thread(), torch.random.fork_rng():
         torch.manual_seed(seed)
         for _ in range(steps):
-            loss, _ = eagle_loss(head, features, tokens, loss_mask, config)
+            loss, _ = eagle_loss(head, features, tokens, loss_mask, config, inputs=inputs)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -76,12 +85,12 @@ def train_head(
     return head
 
 
-def good_head(target: Target, *, seed: int = 0) -> EagleHead:
-    """A trained head for ``target``, trained once per (arch, vocab, seed, weights) and reused."""
-    key = _target_key(target, seed)
+def good_head(target: Target, *, seed: int = 0, kind: str = "eagle1") -> EagleHead:
+    """A trained head of ``kind`` for ``target``, trained once per (arch, vocab, seed, weights, kind) and reused."""
+    key = (*_target_key(target, seed), kind)
     if key not in _TRAINED:
-        _TRAINED[key] = {k: v.clone() for k, v in train_head(target, seed=seed).state_dict().items()}
-    head = EagleHead.for_target(target, seed=seed)
+        _TRAINED[key] = {k: v.clone() for k, v in train_head(target, seed=seed, kind=kind).state_dict().items()}
+    head = EagleHead.for_target(target, seed=seed, kind=kind)
     head.load_state_dict(_TRAINED[key])
     head.eval()
     return head

@@ -99,6 +99,21 @@ def test_greedy_in_a_mixed_batch_equals_batch_one_plain_decoding(head_kind, tree
         assert sum(s.accepted for r in requests for s in r.steps) > 0  # drafts were accepted inside the batch
 
 
+@pytest.mark.parametrize("tree", list(TREES))
+def test_eagle3_head_in_a_mixed_batch_equals_batch_one_plain_decoding(tree):
+    """The EAGLE-3 kind through the batched paths (the fused target layers in the verification and plain
+    steps, the catch-up, batched drafting): every request still decodes as alone."""
+    target = _greedy_target()
+    engine = BatchDecoder(Decoder(target, good_head(target, kind="eagle3"), TREES[tree]), max_batch=4, max_context=256, speculate="always")
+    jobs = [(i // 2 * 3, prompt, GenerationConfig(max_new_tokens=5 + 7 * (i % 4), stop_token_ids=[])) for i, prompt in enumerate(_prompts(8, seed=40))]
+    requests = _run_mixed(engine, jobs)
+    for (arrival, prompt, config), request in zip(jobs, requests):
+        assert request.error is None and request.done
+        assert request.token_ids == _plain(target, prompt, config), (prompt, config)
+    assert max(step.batch for r in requests for step in r.steps) >= 3
+    assert sum(s.accepted for r in requests for s in r.steps) > 0
+
+
 def test_target_alone_batches_plain_decoding():
     target = _greedy_target()
     engine = BatchDecoder(Decoder(target, None), max_batch=3, max_context=128)

@@ -21,7 +21,7 @@ from eagle.errors import EagleError
 from eagle.target import directory_revision, resolve_target
 from jobs import layout
 from jobs.featurize import batch_by_tokens, featurize, main
-from jobs.frozen_target import aux_layer_indices
+from eagle.head import default_aux_layers
 from jobs.presets import get_preset
 from jobs.storage import Storage, pack_records
 
@@ -138,9 +138,9 @@ def test_batches_respect_the_padded_token_budget():
 
 
 def test_aux_layers_are_eagle3_low_mid_high():
-    assert aux_layer_indices(32) == (2, 16, 29)
-    assert aux_layer_indices(30) == (2, 15, 27)
-    assert all(0 <= i < 2 for i in aux_layer_indices(2))
+    assert default_aux_layers(32) == (2, 16, 29)
+    assert default_aux_layers(30) == (2, 15, 27)
+    assert all(0 <= i < 2 for i in default_aux_layers(2))
 
 
 # ---- validation (no Ray) ---------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_manifest_describes_the_features(run, tiny_dir):
     assert manifest["format"] == layout.FEATURES_FORMAT
     assert manifest["target"] == tiny_dir.name and manifest["target_revision"] == directory_revision(tiny_dir)
     assert manifest["dtype"] == "float32" and manifest["hidden_size"] == 32 and manifest["layers"] == LAYERS
-    assert manifest["aux_layers"] == list(aux_layer_indices(LAYERS))
+    assert manifest["aux_layers"] == list(default_aux_layers(LAYERS))
     assert manifest["workers"] == 2 and manifest["zero_stage"] == 3
     assert manifest["data_manifest_sha256"].startswith("sha256:")
     assert manifest["throughput"]["tokens_per_s"] > 0

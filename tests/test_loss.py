@@ -158,3 +158,84 @@ def test_greedy_truth_scores_against_the_targets_own_choice(target):
     predicted = rollout(head, feats, sampled, 1)[0][:, :-1]  # origins 0..n-3 draft x_2..x_{n-1}
     expected = (head.draft_logits(predicted).argmax(-1) == choice[:, 1:-1]).double().mean()
     assert metrics["acc_1"] == pytest.approx(float(expected))
+
+
+# ---- EAGLE-3 heads -----------------------------------------------------------------------------------------
+
+
+def _fused(target, head, tokens):
+    from tests.heads import target_features
+
+    return target_features(target, tokens, head)
+
+
+def test_eagle3_rollout_feeds_the_heads_own_state_like_sequential_drafting(target):
+    """Depth 1 reads the fused target layers through fc, deeper depths the head's own output: the parallel
+    rollout equals prefill-then-feed-back decoding, as for EAGLE-1."""
+    head = EagleHead.for_target(target, seed=1, kind="eagle3")
+    tokens = continuations(target, sequences=2, length=12, temperature=1.0, seed=5)
+    features, fused = _fused(target, head, tokens)
+    assert fused.shape == (2, 12, 3 * 32)
+    depth = 4
+    parallel = rollout(head, fused, tokens, depth)
+    for origin in (0, 5):
+        cache = head.new_cache()
+        q = origin + 1
+        chain = [head(fused[:, :q], tokens[:, 1 : q + 1], cache, torch.arange(q)[None].expand(2, -1), causal_mask(q, 0, fused.dtype, fused.device))[:, -1:]]
+        for k in range(1, depth):
+            chain.append(head(chain[-1], tokens[:, origin + k + 1 : origin + k + 2], cache, torch.full((2, 1), origin + k), None))
+        for k in range(depth):
+            torch.testing.assert_close(parallel[k][:, origin], chain[k][:, 0], rtol=1e-9, atol=1e-9)
+
+
+def test_eagle3_loss_is_soft_cross_entropy_per_depth_with_out_of_vocabulary_tokens_masked(target):
+    """EAGLE-3's loss: no feature term; depth k's cross-entropy against the target's draft-vocabulary
+    distribution, weighted 0.8^(k-1); a position whose next token is outside the draft vocabulary counts for
+    nothing (the reference masks them out)."""
+    ids = torch.arange(0, 64, 2)  # even tokens only
+    head = EagleHead.for_target(target, seed=2, kind="eagle3", draft_token_ids=ids)
+    tokens = continuations(target, sequences=3, length=10, temperature=1.0, seed=7)
+    features, fused = _fused(target, head, tokens)
+    mask = torch.ones_like(tokens)
+    config = LossConfig.for_kind("eagle3", depth=2)
+    assert (config.w_feature, config.w_token, config.noise, config.depth_decay) == (0.0, 1.0, 0.0, 0.8)
+    loss, metrics = eagle_loss(head, features, tokens, mask, config, inputs=fused)
+    with torch.no_grad():
+        predictions = rollout(head, fused, tokens, 2)
+    n = tokens.shape[1]
+    expected, weights = 0.0, 0.0
+    for k, predicted in enumerate(predictions):
+        rows = n - 2 - k  # origins whose drafted token x_{j+k+2} exists
+        truth = tokens[:, k + 2 :]
+        keep = (truth % 2 == 0).double()
+        p = torch.softmax(target.lm_head(features[:, k + 1 : k + 1 + rows])[..., ids].double(), -1)
+        log_q = torch.log_softmax(head.draft_logits(predicted[:, :rows]).double(), -1)
+        ce = -(p * log_q).sum(-1)
+        expected += 0.8**k * float((ce * keep).sum() / keep.sum())
+        weights += 0.8**k
+    assert float(loss) == pytest.approx(expected / weights, rel=1e-5)
+    assert metrics["feature_loss"] == 0.0
+    assert bool((tokens[:, 2:] % 2 == 1).any())  # the mask had positions to drop
+
+
+def test_eagle3_training_raises_accuracy_and_keeps_the_lm_head_frozen(target):
+    head = EagleHead.for_target(target, seed=0, kind="eagle3")
+    lm_head = head.lm_head.weight.detach().clone()
+    torch.testing.assert_close(lm_head, target.lm_head.weight.detach())  # initialised from the target's rows
+    tokens = continuations(target, sequences=16, length=24, temperature=0.0, seed=11)
+    features, fused = _fused(target, head, tokens)
+    records = [{"input_ids": t, "loss_mask": torch.ones_like(t), "features": f, "aux_features": a} for t, f, a in zip(tokens, features, fused)]
+    batch = collate(records)
+    assert batch.aux_features.shape == fused.shape
+    optimizer = build_optimizer(head, lr=1e-2)
+    config = LossConfig.for_kind("eagle3", depth=3)
+    with single_thread():
+        first = train_step(head, optimizer, batch, config)
+        for _ in range(60):
+            last = train_step(head, optimizer, batch, config)
+    assert last["loss"] < 0.75 * first["loss"]  # a soft cross-entropy: it cannot fall below the target's entropy
+    assert last["acc_1"] > first["acc_1"] + 0.2 and last["acc_3"] > first["acc_3"]
+    assert torch.equal(head.lm_head.weight, lm_head)
+    head.eval()
+    metrics = rollout_metrics(head, batch.features, batch.input_ids, batch.loss_mask, depth=3, inputs=batch.aux_features)
+    assert metrics["sim_tau"] > 1.0 + 0.5 * metrics["acc_1"]

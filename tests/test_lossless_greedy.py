@@ -28,8 +28,9 @@ TREES: dict[str, TreeSpec] = {
     "dynamic": DynamicTree(),
     "dynamic-wide": DynamicTree(depth=3, top_k=8, total_tokens=40),
 }
-# "vllm-layout": no fc bias and no input norm on the head's layer (HeadConfig), what training jobs build
-HEADS = ("untrained", "vllm-layout", "good", "wrong")
+# "vllm-layout": no fc bias and no input norm on the head's layer (HeadConfig), what training jobs build;
+# "eagle3*": the EAGLE-3 kind (fused target layers, the head's own state fed back)
+HEADS = ("untrained", "vllm-layout", "good", "wrong", "eagle3-untrained", "eagle3-good")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -52,6 +53,10 @@ def _head(arch: str, kind: str) -> EagleHead:
         return EagleHead.for_target(target, seed=0, fc_bias=False, input_norm=False)
     if kind == "good":
         return good_head(target)
+    if kind == "eagle3-untrained":
+        return EagleHead.for_target(target, seed=0, kind="eagle3")
+    if kind == "eagle3-good":
+        return good_head(target, kind="eagle3")
     return wrong_head(target)
 
 
@@ -154,6 +159,9 @@ def test_heads_are_what_the_lossless_checks_assume(arch: str, tree: str) -> None
     assert max(good) >= min(3, depth), f"good head's longest accepted path is {max(good)}"
     assert _mean_tau(arch, tree, "good") > _mean_tau(arch, tree, "untrained") + 0.5
     assert sum(a == 0 for a in wrong) >= 0.9 * len(wrong), f"wrong head accepted something in {wrong}"
+    eagle3 = _accepted(arch, tree, "eagle3-good")
+    assert max(eagle3) >= min(3, depth), f"trained eagle3 head's longest accepted path is {max(eagle3)}"
+    assert _mean_tau(arch, tree, "eagle3-good") > _mean_tau(arch, tree, "eagle3-untrained") + 0.5
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

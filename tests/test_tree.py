@@ -113,7 +113,7 @@ def test_compacted_cache_equals_fresh_prefill_of_accepted_tokens(model_type):
         torch.testing.assert_close(got[:, :, :length], want[:, :, :length], rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.parametrize("layout", [{}, {"fc_bias": False, "input_norm": False}], ids=["default", "vllm-layout"])
+@pytest.mark.parametrize("layout", [{}, {"fc_bias": False, "input_norm": False}, {"kind": "eagle3"}], ids=["default", "vllm-layout", "eagle3"])
 @pytest.mark.parametrize("tree_spec", [StaticTree(), DynamicTree(depth=4, top_k=3, total_tokens=10), HybridTree(DynamicTree(depth=3, top_k=2, total_tokens=6))])
 def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec, layout):
     """After every step the target cache's committed slots hold exactly the committed tokens' keys and
@@ -138,7 +138,7 @@ def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec, layout
         n = len(committed)
         assert state.committed == n
         fresh = decoder.runtime.new_cache(192)
-        features = decoder.runtime.prefill(torch.tensor(committed), fresh)
+        _, features = decoder.runtime.prefill(torch.tensor(committed), fresh)  # the head input
         for got, want in zip(state.target_cache.keys + state.target_cache.values, fresh.keys + fresh.values):
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-9, atol=1e-9)
         head_cache = decoder.head_runtime.new_cache(192)
@@ -147,7 +147,8 @@ def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec, layout
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-8, atol=1e-8)
         torch.testing.assert_close(state.last_hidden, hidden[-1], rtol=1e-8, atol=1e-8)
         # and the lean head equals the training-time head (transformers' layer, a DynamicCache)
-        reference = head(features[None], torch.tensor([committed[1:] + [state.root]]), head.new_cache(), torch.arange(n)[None], causal_mask(n, 0, target.dtype))
+        with torch.no_grad():
+            reference = head(features[None], torch.tensor([committed[1:] + [state.root]]), head.new_cache(), torch.arange(n)[None], causal_mask(n, 0, target.dtype))
         torch.testing.assert_close(hidden, reference[0], rtol=1e-9, atol=1e-9)
 
 
@@ -223,14 +224,15 @@ def _reference_tree(head, last_hidden, root, prefix_features, prefix_tokens, spe
     "spec", [StaticTree(), DynamicTree(), DynamicTree(depth=4, top_k=3, total_tokens=9), DynamicTree(depth=3, top_k=8, total_tokens=40)],
     ids=["static", "dynamic", "dynamic-small", "dynamic-wide"],
 )
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_vectorised_drafting_equals_the_node_by_node_reference(model_type, spec):
+def test_vectorised_drafting_equals_the_node_by_node_reference(model_type, spec, kind):
     target = tiny_target(model_type, logit_scale=3.0)
-    head = EagleHead.for_target(target, seed=1)
+    head = EagleHead.for_target(target, seed=1, kind=kind)
     decoder = Decoder(target, head, spec)
     state = decoder._prefill(PROMPT, GenerationConfig().sampling, None)
     tree = decoder._draft(state)
-    features = decoder.runtime.prefill(torch.tensor(PROMPT), decoder.runtime.new_cache(64))
+    _, features = decoder.runtime.prefill(torch.tensor(PROMPT), decoder.runtime.new_cache(64))  # the head input
     tokens, parents, depths = _reference_tree(head, state.last_hidden, state.root, features, PROMPT[1:] + [state.root], spec)
     assert tree.tokens.tolist() == tokens
     assert tree.parents.tolist() == parents
