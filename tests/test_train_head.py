@@ -86,6 +86,37 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list:
     return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
 
 
+def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
+    """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
+    from the ZeRO-3-partitioned target's own capture of them; the head saved is an eagle3 head reading the
+    default layers, and both modes start on the same loss curve."""
+    from eagle.head import HeadConfig, default_aux_layers
+
+    write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
+    common = [
+        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
+        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
+        "--max-failures", "0",
+    ]
+    runs = {}
+    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
+        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        result = _result(done.stdout)
+        config = HeadConfig.read(result["head_dir"])
+        assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
+        assert not config.fc_bias
+        runs[mode] = result["run_id"]
+    client = MlflowClient(mlflow_server)
+    curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
+    assert len(curves["online"]) == len(curves["offline"]) == 2, curves
+    for on, off in zip(curves["online"], curves["offline"]):
+        assert abs(on - off) <= 0.05 * off, curves
+    # EAGLE-3's loss has no feature term (it is logged as 0) and counts acceptance at every depth of the test
+    assert all(m.value == 0.0 for m in _history(client, runs["offline"], "feature_loss"))
+    assert _history(client, runs["offline"], "acc_3")
+
+
 @pytest.mark.slow
 def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlflow_server, tmp_path):
     results = tmp_path / "ray_results"
@@ -153,6 +184,37 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert int(second["version"]) == int(result["version"]) + 1
 
 
+def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
+    """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
+    from the ZeRO-3-partitioned target's own capture of them; the head saved is an eagle3 head reading the
+    default layers, and both modes start on the same loss curve."""
+    from eagle.head import HeadConfig, default_aux_layers
+
+    write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
+    common = [
+        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
+        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
+        "--max-failures", "0",
+    ]
+    runs = {}
+    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
+        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        result = _result(done.stdout)
+        config = HeadConfig.read(result["head_dir"])
+        assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
+        assert not config.fc_bias
+        runs[mode] = result["run_id"]
+    client = MlflowClient(mlflow_server)
+    curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
+    assert len(curves["online"]) == len(curves["offline"]) == 2, curves
+    for on, off in zip(curves["online"], curves["offline"]):
+        assert abs(on - off) <= 0.05 * off, curves
+    # EAGLE-3's loss has no feature term (it is logged as 0) and counts acceptance at every depth of the test
+    assert all(m.value == 0.0 for m in _history(client, runs["offline"], "feature_loss"))
+    assert _history(client, runs["offline"], "acc_3")
+
+
 @pytest.mark.slow
 def test_online_training_runs_on_a_zero3_partitioned_target_and_matches_offline(storage, mlflow_server, tmp_path, smollm2):
     """Online mode: the frozen target lives in the 2 workers partitioned by ZeRO-3 (every parameter: persistence
@@ -183,6 +245,37 @@ def test_online_training_runs_on_a_zero3_partitioned_target_and_matches_offline(
         assert abs(on - off) <= 0.05 * off, curves
 
 
+def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
+    """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
+    from the ZeRO-3-partitioned target's own capture of them; the head saved is an eagle3 head reading the
+    default layers, and both modes start on the same loss curve."""
+    from eagle.head import HeadConfig, default_aux_layers
+
+    write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
+    common = [
+        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
+        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
+        "--max-failures", "0",
+    ]
+    runs = {}
+    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
+        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
+        assert done.returncode == 0, done.stderr[-4000:]
+        result = _result(done.stdout)
+        config = HeadConfig.read(result["head_dir"])
+        assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
+        assert not config.fc_bias
+        runs[mode] = result["run_id"]
+    client = MlflowClient(mlflow_server)
+    curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
+    assert len(curves["online"]) == len(curves["offline"]) == 2, curves
+    for on, off in zip(curves["online"], curves["offline"]):
+        assert abs(on - off) <= 0.05 * off, curves
+    # EAGLE-3's loss has no feature term (it is logged as 0) and counts acceptance at every depth of the test
+    assert all(m.value == 0.0 for m in _history(client, runs["offline"], "feature_loss"))
+    assert _history(client, runs["offline"], "acc_3")
+
+
 @pytest.mark.slow
 def test_a_run_that_fails_is_marked_failed_and_registers_nothing(storage, mlflow_server, tmp_path, smollm2):
     broken = tmp_path / "broken"
@@ -211,6 +304,7 @@ def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp
         "bad number": (["--dataset", DATASET, "--workers", "0"], "--workers"),
         "dataset out of the storage": (["--dataset", "../../etc"], "bad dataset name '../../etc'"),  # a path, not a name
         "run name out of the results": (["--dataset", DATASET, "--run-name", "x/../../y"], "bad run name"),
+        "eagle3 on features without its layers": (["--dataset", DATASET, "--head-kind", "eagle3"], "--aux-layers"),
     }
     for name, (extra, expected) in cases.items():
         done = _run([*base, *extra], mlflow_server)
