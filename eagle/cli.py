@@ -108,8 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     head = commands.add_parser("head", help="head checkpoints: export to the layouts other engines load")
     head_commands = head.add_subparsers(dest="head_command", required=True, parser_class=_Parser)
-    export = head_commands.add_parser("export", help="write a head directory in vLLM's, SGLang's or SafeAILab EAGLE's layout")
+    export = head_commands.add_parser("export", help="write a head directory in vLLM's, SGLang's, SafeAILab EAGLE's or speculators' layout")
     export.add_argument("--to", required=True, dest="fmt", choices=list(EXPORT_FORMATS), help="the layout to write")
+    export.add_argument(
+        "--verifier", default=None,
+        help="speculators: the target's Hugging Face id or directory written as its verifier (default: the head's target, resolved here)",
+    )
     export.add_argument("source", help="head directory (ours) or a registry URI such as models:/<name>@<alias>")
     export.add_argument("dest", help="new directory to write")
 
@@ -304,7 +308,7 @@ def cmd_prompts(args) -> int:
 def cmd_head(args) -> int:
     from eagle.formats import export_head
 
-    path = export_head(resolve_head_spec(args.source), args.dest, args.fmt)
+    path = export_head(resolve_head_spec(args.source), args.dest, args.fmt, verifier=args.verifier)
     sys.stdout.write(f"{path}\n")
     return 0
 

