@@ -147,6 +147,8 @@ def eagle_loss(
     """
     eagle3 = head.config.kind == "eagle3"
     predictions = rollout(head, features if inputs is None else inputs, tokens, config.depth, noise=config.noise)
+    with torch.no_grad():  # the target's distribution at every position, once: depth k reads it k + 1 positions on
+        target_p = torch.softmax(head.target_logits(features), dim=-1)  # [B, n, V] on the draft rows
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     weight_sum = 0.0
@@ -156,13 +158,12 @@ def eagle_loss(
         if eagle3:
             valid = valid & (truth >= 0)
         count = valid.sum().clamp(min=1)
-        wanted = _shift(features, k + 1)  # f_{j+k+1}
         if eagle3:  # the head's output is its own state, not a target feature: nothing to regress
             feature_loss = predicted.new_zeros((), dtype=torch.float32)
         else:
+            wanted = _shift(features, k + 1)  # f_{j+k+1}
             feature_loss = (F.smooth_l1_loss(predicted.float(), wanted.float(), reduction="none").mean(-1) * valid).sum() / count
-        with torch.no_grad():
-            p = torch.softmax(head.target_logits(wanted), dim=-1)  # target's distribution on the draft rows
+        p = _shift(target_p, k + 1)  # p(. | f_{j+k+1})
         log_q = torch.log_softmax(head.draft_logits(predicted), dim=-1)
         token_loss = (-(p * log_q).sum(-1) * valid).sum() / count
         weight = config.depth_decay**k

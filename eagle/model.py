@@ -14,8 +14,9 @@ over a prefix of a fixed buffer whose length is a dynamic dimension (one compile
 context length), writes at arbitrary slots (tree nodes), and compaction of the accepted path as an
 in-place gather inside the buffer (``KVCache.compact``).
 
-Owns: ``KVCache``, ``LeanLayer`` (one decoder layer), ``LeanModel`` (embedding -> layers -> final norm,
-plus the LM head and bf16 near-tie rescoring), ``rope_tables``.
+Owns: ``KVCache``, ``LeanLayer`` (one decoder layer; ``LeanEagle3Layer``, an EAGLE-3 head's), ``LeanModel``
+(embedding -> layers -> final norm, plus the LM head and bf16 near-tie rescoring, and the input streams of the
+layers an EAGLE-3 head reads), ``rope_tables``.
 Does not own: what to feed or when (``generate.py``), compile settings (``compile.py``), the draft head's
 own wiring (``head.py`` builds its layer from ``LeanLayer``).
 """

@@ -19,7 +19,7 @@ from eagle.errors import EagleError
 from eagle_platform.registry import Runs
 from jobs.common import JobParser, run_job
 
-KEYS = ("loss", "feature_loss", "token_loss", "acc_1", "eval_sim_tau", "train_tokens_per_s", "lr") + tuple(f"eval_acc_{d}" for d in range(1, 9))
+KEYS = ("loss", "feature_loss", "token_loss", "acc_1", "eval_sim_tau", "train_tokens_per_s", "lr", "train_minutes") + tuple(f"eval_acc_{d}" for d in range(1, 9))
 
 
 def history(runs: Runs, run_id: str) -> dict[str, list[tuple[int, float]]]:

@@ -222,7 +222,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     def save(final: bool) -> None:
         with tempfile.TemporaryDirectory() as directory:
             engine.save_checkpoint(directory, tag=DS_TAG)
-            metrics = {"step": step, "final": final}
+            metrics = {"step": step, "final": final, "train_minutes": elapsed / 60.0}
             if rank == 0:
                 engine.module.save_pretrained(Path(directory) / HEAD_DIR)
                 (Path(directory) / STATE_FILE).write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
@@ -262,7 +262,10 @@ def _train_loop(config: dict[str, Any]) -> None:
             last = bool(int(stop)) or step >= total_steps
             if tracker and (step % train.log_every == 0 or step == 1 or last):
                 now = time.perf_counter()
-                metrics.update(lr=lr, epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start))
+                metrics.update(
+                    lr=lr, epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start),
+                    train_minutes=elapsed / 60.0,  # the optimizer steps' own time (start-up, checkpoints and evals excluded)
+                )
                 window_tokens, window_start = 0, now
                 tracker.log(metrics, step)
                 logger.info("step %d/%d loss %.4f acc_1 %.3f lr %.2e", step, total_steps, metrics["loss"], metrics["acc_1"], metrics["lr"])
