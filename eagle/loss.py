@@ -129,6 +129,16 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+def _reads(head: EagleHead, features: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor:
+    """What the head reads from the target: the fused layers for an EAGLE-3 head, the final features for an
+    EAGLE-1 head (which ignores fused layers a dataset may also hold)."""
+    if head.config.kind != "eagle3":
+        return features
+    if inputs is None:
+        raise ValueError("an eagle3 head reads the fused target layers: pass inputs (features made with aux_layers)")
+    return inputs
+
+
 def eagle_loss(
     head: EagleHead,
     features: torch.Tensor,
@@ -146,7 +156,7 @@ def eagle_loss(
     draft against the true next token) and, when ``config.depth > 1``, the same per depth.
     """
     eagle3 = head.config.kind == "eagle3"
-    predictions = rollout(head, features if inputs is None else inputs, tokens, config.depth, noise=config.noise)
+    predictions = rollout(head, _reads(head, features, inputs), tokens, config.depth, noise=config.noise)
     with torch.no_grad():  # the target's distribution at every position, once: depth k reads it k + 1 positions on
         target_p = torch.softmax(head.target_logits(features), dim=-1)  # [B, n, V] on the draft rows
     total = features.new_zeros((), dtype=torch.float32)
@@ -199,7 +209,7 @@ def rollout_metrics(
     after each position: ``greedy[:, t]`` = argmax of its logits at f_t), equal to what the target would
     pick there, which is what greedy verification accepts. Use ``greedy`` when the data is not the target's
     own greedy output (e.g. ShareGPT's answers). ``inputs``: what the head reads, as in ``eagle_loss``."""
-    predictions = rollout(head, features if inputs is None else inputs, tokens, depth)
+    predictions = rollout(head, _reads(head, features, inputs), tokens, depth)
     base = _valid(loss_mask, 0)
     alive = base.clone()
     run = torch.zeros_like(base, dtype=torch.long)

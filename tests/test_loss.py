@@ -239,3 +239,20 @@ def test_eagle3_training_raises_accuracy_and_keeps_the_lm_head_frozen(target):
     head.eval()
     metrics = rollout_metrics(head, batch.features, batch.input_ids, batch.loss_mask, depth=3, inputs=batch.aux_features)
     assert metrics["sim_tau"] > 1.0 + 0.5 * metrics["acc_1"]
+
+
+def test_an_eagle1_head_ignores_the_fused_layers_a_dataset_also_holds(target):
+    """One feature dump serves both kinds: records with aux_features train an eagle1 head on the final
+    features exactly as records without them."""
+    from eagle.train import compute_loss
+
+    head = EagleHead.for_target(target, seed=0)
+    eagle3 = EagleHead.for_target(target, seed=0, kind="eagle3")
+    tokens = continuations(target, sequences=4, length=12, temperature=1.0, seed=2)
+    features, fused = _fused(target, eagle3, tokens)
+    plain = collate([{"input_ids": t, "loss_mask": torch.ones_like(t), "features": f} for t, f in zip(tokens, features)])
+    both = collate([{"input_ids": t, "loss_mask": torch.ones_like(t), "features": f, "aux_features": a} for t, f, a in zip(tokens, features, fused)])
+    config = LossConfig(noise=0.0)
+    torch.testing.assert_close(compute_loss(head, both, config)[0], compute_loss(head, plain, config)[0])
+    with pytest.raises(ValueError, match="fused target layers"):
+        compute_loss(eagle3, plain, LossConfig.for_kind("eagle3", depth=2))
