@@ -32,7 +32,7 @@ def summarise(folder: Path) -> str:
         rows.append(
             f"| {kind} | {max(minutes.values(), default=0):.1f} | {steps} | {sum(speed.values()) / max(len(speed), 1):,.0f} | "
             f"{series[kind][-1][1] if series[kind] else float('nan'):.2f} | **{bench['tau_mean']:.2f}** / {bench['tau_pooled']:.2f} | "
-            f"{', '.join(f'{a:.2f}' for a in bench['n_alpha_pooled'])} | "
+            f"{', '.join('-' if a is None else f'{a:.2f}' for a in bench['n_alpha_pooled'])} | "
             f"{bench['speedup']['eagle_vs_plain']:.2f}x ({methods['eagle']['tokens_per_second']:.1f} vs {methods['plain']['tokens_per_second']:.1f} tok/s) |"
         )
     _plot(series, folder / "tau_vs_minutes.png")
