@@ -247,9 +247,13 @@ class EagleHead(nn.Module):
             head.set_draft_vocab(draft_token_ids)
         head = head.to(device=target.device, dtype=target.dtype).attach(target)
         if head.eagle3:
-            with torch.no_grad():
-                head.lm_head.weight.copy_(head._borrowed["lm_weight"])
+            head.copy_target_lm_head()
         return head
+
+    def copy_target_lm_head(self) -> None:
+        """An ``eagle3`` head's own draft LM head := the attached target's draft-vocabulary rows."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self._borrowed["lm_weight"])
 
     def set_draft_vocab(self, draft_token_ids: torch.Tensor) -> None:
         """Set the reduced vocabulary from target ids (any order; stored sorted, EAGLE-3 d2t/t2d)."""
@@ -384,8 +388,7 @@ class EagleHead(nn.Module):
             raise EagleError(f"{directory}: missing keys {list(missing)[:5]}, unexpected keys {list(unexpected)[:5]}")
         head.attach(target)
         if from_target:
-            with torch.no_grad():
-                head.lm_head.weight.copy_(head._borrowed["lm_weight"])
+            head.copy_target_lm_head()
         return head
 
 
