@@ -86,35 +86,16 @@ def _history(client: MlflowClient, run_id: str, key: str) -> list:
     return sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)
 
 
-def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
-    """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
-    from the ZeRO-3-partitioned target's own capture of them; the head saved is an eagle3 head reading the
-    default layers, and both modes start on the same loss curve."""
-    from eagle.head import HeadConfig, default_aux_layers
-
-    write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
-    common = [
-        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
-        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
-        "--max-failures", "0",
-    ]
-    runs = {}
+def _offline_and_online(args: list[str], name: str, mlflow_uri: str) -> dict[str, dict]:
+    """The job's result line for a 3-step run of ``args`` offline (stored features) and one online (the frozen
+    target ZeRO-3-partitioned in the workers, every parameter: persistence threshold 0), by mode."""
+    common = [*args, "--batch-tokens", "512", "--max-steps", "3", "--checkpoint-every", "100", "--no-register", "--max-failures", "0"]
+    results = {}
     for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
-        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
+        done = _run([*common, "--run-name", f"{name}-{mode}", *extra], mlflow_uri, timeout=900)
         assert done.returncode == 0, done.stderr[-4000:]
-        result = _result(done.stdout)
-        config = HeadConfig.read(result["head_dir"])
-        assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
-        assert not config.fc_bias
-        runs[mode] = result["run_id"]
-    client = MlflowClient(mlflow_server)
-    curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
-    assert len(curves["online"]) == len(curves["offline"]) == 2, curves
-    for on, off in zip(curves["online"], curves["offline"]):
-        assert abs(on - off) <= 0.05 * off, curves
-    # EAGLE-3's loss has no feature term (it is logged as 0) and counts acceptance at every depth of the test
-    assert all(m.value == 0.0 for m in _history(client, runs["offline"], "feature_loss"))
-    assert _history(client, runs["offline"], "acc_3")
+        results[mode] = _result(done.stdout)
+    return results
 
 
 @pytest.mark.slow
@@ -184,51 +165,14 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert int(second["version"]) == int(result["version"]) + 1
 
 
-def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
-    """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
-    from the ZeRO-3-partitioned target's own capture of them; the head saved is an eagle3 head reading the
-    default layers, and both modes start on the same loss curve."""
-    from eagle.head import HeadConfig, default_aux_layers
-
-    write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
-    common = [
-        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
-        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
-        "--max-failures", "0",
-    ]
-    runs = {}
-    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
-        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
-        assert done.returncode == 0, done.stderr[-4000:]
-        result = _result(done.stdout)
-        config = HeadConfig.read(result["head_dir"])
-        assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
-        assert not config.fc_bias
-        runs[mode] = result["run_id"]
-    client = MlflowClient(mlflow_server)
-    curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
-    assert len(curves["online"]) == len(curves["offline"]) == 2, curves
-    for on, off in zip(curves["online"], curves["offline"]):
-        assert abs(on - off) <= 0.05 * off, curves
-    # EAGLE-3's loss has no feature term (it is logged as 0) and counts acceptance at every depth of the test
-    assert all(m.value == 0.0 for m in _history(client, runs["offline"], "feature_loss"))
-    assert _history(client, runs["offline"], "acc_3")
-
-
 @pytest.mark.slow
 def test_online_training_runs_on_a_zero3_partitioned_target_and_matches_offline(storage, mlflow_server, tmp_path, smollm2):
     """Online mode: the frozen target lives in the 2 workers partitioned by ZeRO-3 (every parameter: persistence
     threshold 0), each holding half of it after real forwards; the head trains on the features it computes in
     the loop, and its first losses equal offline training's on the stored features of the same data."""
-    common = [
-        "--preset", "quick", "--storage", storage, "--dataset", DATASET, "--results-dir", str(tmp_path / "r"),
-        "--batch-tokens", "512", "--max-steps", "3", "--checkpoint-every", "100", "--no-register", "--max-failures", "0",
-    ]
-    runs = {}
-    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
-        done = _run([*common, "--run-name", f"{mode}-curve", *extra], mlflow_server, timeout=900)
-        assert done.returncode == 0, done.stderr[-4000:]
-        runs[mode] = _result(done.stdout)["run_id"]
+    runs = {mode: result["run_id"] for mode, result in _offline_and_online(
+        ["--preset", "quick", "--storage", storage, "--dataset", DATASET, "--results-dir", str(tmp_path / "r")], "curve", mlflow_server
+    ).items()}
     client = MlflowClient(mlflow_server)
     online = client.get_run(runs["online"])
     held = json.loads(online.data.tags["target.resident_numel_per_rank"])
@@ -252,20 +196,15 @@ def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path,
     from eagle.head import HeadConfig, default_aux_layers
 
     write_feature_dataset(str(tmp_path / "s"), smollm2, "tiny-eagle3", conversations=16, max_length=96, aux_layers=True)
-    common = [
-        "--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
-        "--batch-tokens", "512", "--max-steps", "3", "--rollout-depth", "3", "--checkpoint-every", "100", "--no-register",
-        "--max-failures", "0",
-    ]
-    runs = {}
-    for mode, extra in (("offline", []), ("online", ["--online", "--target-persistence-threshold", "0"])):
-        done = _run([*common, "--run-name", f"eagle3-{mode}", *extra], mlflow_server, timeout=900)
-        assert done.returncode == 0, done.stderr[-4000:]
-        result = _result(done.stdout)
+    results = _offline_and_online(
+        ["--preset", "quick-eagle3", "--storage", str(tmp_path / "s"), "--dataset", "tiny-eagle3", "--results-dir", str(tmp_path / "r"),
+         "--rollout-depth", "3"], "eagle3", mlflow_server,
+    )
+    for result in results.values():
         config = HeadConfig.read(result["head_dir"])
         assert config.kind == "eagle3" and config.aux_layers == list(default_aux_layers(smollm2.config.num_hidden_layers))
         assert not config.fc_bias
-        runs[mode] = result["run_id"]
+    runs = {mode: result["run_id"] for mode, result in results.items()}
     client = MlflowClient(mlflow_server)
     curves = {mode: [m.value for m in _history(client, run_id, "loss")] for mode, run_id in runs.items()}
     assert len(curves["online"]) == len(curves["offline"]) == 2, curves
