@@ -1,5 +1,5 @@
-"""Pieces of the fast decode path: incremental detokenisation, bf16 near-tie rescoring, n-gram branches, the
-auto tree's acceptance estimate, and the request-level behaviour of static caches."""
+"""Pieces of the fast decode path: incremental detokenisation, bf16 near-tie rescoring, grouped-query attention,
+n-gram branches, the auto tree's acceptance estimate, and the request-level behaviour of static caches."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
 import eagle.autotree
 from eagle.autotree import _accepted, choose_tree
 from eagle.generate import TextDelta
-from eagle.model import LeanModel
+from eagle.model import LeanModel, attention
 from eagle.ngram import add_branch, lookup
 from eagle.tree import AutoTree, DraftTree, HybridTree
 from tiny import tiny_target
@@ -69,6 +69,25 @@ def test_rescoring_breaks_bf16_ties_by_the_float32_dot_product():
 
 
 # ---- n-gram branches --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_attention_equals_grouped_query_sdpa(dtype):
+    """``eagle.model.attention`` folds the heads of a kv head into the query length in bf16 / fp16: the values
+    of ``enable_gqa`` bit for bit, per row, under a per-row mask, at decode (q = 1) and tree (q = 5) widths."""
+    generator = torch.Generator().manual_seed(0)
+    for batch, q, kv in ((1, 1, 7), (4, 1, 9), (3, 5, 12)):
+        query = torch.randn(batch, 6, q, 8, generator=generator).to(dtype)
+        keys, values = (torch.randn(batch, 2, 16, 8, generator=generator).to(dtype)[:, :, :kv] for _ in range(2))
+        mask = torch.rand(batch, 1, q, kv, generator=generator) > 0.4
+        mask[..., 0] = True
+        want = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
+        assert torch.equal(attention(query, keys, values, mask, 0.3), want)
+        # head i reads kv head i // 3: a change in kv head 1 moves heads 3-5 only
+        keys2 = keys.clone()
+        keys2[:, 1] += 1
+        moved = (attention(query, keys2, values, mask, 0.3) != want).flatten(2).any(-1)  # [B, heads]
+        assert not moved[:, :3].any() and moved[:, 3:].any()
 
 
 def test_lookup_takes_the_longest_most_recent_match():
