@@ -10,6 +10,10 @@ Does not own: the decode loop (``generate.py``) or compile settings (``compile.p
 
 from __future__ import annotations
 
+import os
+import threading
+from typing import Any, Callable, TypeVar
+
 import torch
 from torch import nn
 
@@ -25,8 +29,53 @@ ROPE_TABLE_LIMIT = 1 << 15  # positions tabulated for the rotary embedding (the 
 _STEP_DYNAMIC = {3: 3, 4: 2, 5: 2}
 # the head's forward / expand(features, next_tokens, positions, slots, mask, keys, values[, k]): the same dims
 _HEAD_DYNAMIC = {4: 3, 5: 2, 6: 2}
+T = TypeVar("T")
 # GEMM rows oneDNN packs the batched path's weights for (``PackedLinear``): a verification of a few rows
 PACK_BATCH_HINT = 16
+
+
+def use_threads(threads: int | None) -> int:
+    """Give the calling OS thread ``threads`` intra-op threads (None: every core this process may run on);
+    returns the count.
+
+    OpenMP keeps the thread count per OS thread: a thread started later begins at ``OMP_NUM_THREADS``, which
+    Ray sets to 1 in its workers, and oneDNN's linears read that per-thread value; PyTorch copies its own
+    setting into a new thread only lazily, on its first ``at::parallel_for``. So a thread that runs a model
+    calls this first.
+    """
+    count = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(count)
+    return count
+
+
+def on_own_thread(fn: Callable[..., T], *args: Any, threads: int | None = None) -> T:
+    """``fn(*args)`` on a new OS thread (with ``use_threads(threads)``), waited for: its result, or its error
+    raised here.
+
+    libgomp (PyTorch's OpenMP) gives every OS thread that starts a parallel region its own team of worker
+    threads, kept until that thread exits; once a process has more of them than cores, every worker stops
+    spinning between regions and sleeps, so each of a decode step's few hundred short parallel regions pays
+    a wake-up. Measured here (SmolLM2 bf16, compiled, 2 cores): a batch-1 decode step ran at 70 tok/s as the
+    process's only team and 34 tok/s while a second thread's team was alive (docs/benchmarks.md section 7).
+    A server whose decoding runs on one long-lived thread therefore does its other model work (loading,
+    compiling, warming up a new head) here, and that work's team ends with the thread.
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        use_threads(threads)
+        try:
+            result.append(fn(*args))
+        except BaseException as err:  # noqa: BLE001 - handed to the caller's thread
+            error.append(err)
+
+    thread = threading.Thread(target=run, name=f"model-work-{getattr(fn, '__name__', 'fn')}")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 def context_limit(target: Target) -> int:

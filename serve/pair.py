@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle.batch import BatchDecoder, BatchRequest
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
+from eagle.runtime import on_own_thread, use_threads
 from eagle.target import Target
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
@@ -88,7 +90,8 @@ class PairSpec(BaseModel):
         max_tokens: the largest ``max_tokens`` a request may ask for.
         default_max_tokens: used when a request gives none (capped by what fits the context).
         watch_s: registry poll interval for hot swap (``models:/...@alias`` heads only); None disables it.
-        threads: torch intra-op threads per replica (None: torch's default, every core).
+        threads: torch intra-op threads per replica (None: ``default_threads()``, all cores but one); set on
+            the decode thread and the threads that load heads (``eagle.runtime.use_threads``).
         tree: the draft tree.
         compile: ``eagle.compile`` mode ("on": the batched functions compile when the replica starts).
         max_batch_size: requests one replica decodes together (``eagle.batch.BatchDecoder``); more wait.
@@ -114,6 +117,15 @@ class PairSpec(BaseModel):
     max_context: int = Field(2048, ge=2)
     speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
     stuck_after_s: float = Field(120.0, gt=0)
+
+
+def default_threads() -> int:
+    """A replica's torch threads when its pair sets none: every core it may run on but one, which the
+    streaming path (Serve's HTTP proxy, the ingress, the replica's event loop) needs. Measured on 2 cores
+    (SmolLM2 bf16, compiled, target alone, 16 MT-bench prompts x 128 tokens through HTTP): 1 thread served
+    52 tok/s at 1 client and 109 at 8, 2 threads 38 and 82-98: the decode step's OpenMP team stalls
+    whenever the serving processes take one of its cores (docs/benchmarks.md section 7)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 @dataclass(frozen=True)
@@ -263,16 +275,12 @@ class PairServer:
         """``spec`` (a PairSpec or its dict form, as Serve passes it); ``target`` injects an already loaded
         target (tests), else ``spec.target`` is loaded."""
         self.spec = spec if isinstance(spec, PairSpec) else PairSpec.model_validate(spec)
-        if self.spec.threads:
-            torch.set_num_threads(self.spec.threads)
-        from eagle.target import load_target
-
-        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype)
-        if self.target.tokenizer is None:
-            raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
+        self.threads = self.spec.threads or default_threads()
         self.tree = self.spec.tree.build()
         self._head_spec = self.spec.head
-        self._loaded = self._load(self._head_spec)
+        # model work off the decode thread runs on short-lived threads (``on_own_thread``: a second long-lived
+        # OpenMP team would halve the decode thread's speed)
+        self._loaded = on_own_thread(self._load_pair, target, threads=self.threads)
         self._swap_lock = threading.Lock()
         self._metrics = _Metrics(self.spec.model)
         # the decode loop: one thread steps the current engine (and, after a hot swap, the previous one until
@@ -295,6 +303,15 @@ class PairServer:
         logger.info("pair %s ready: target %s, head %s (version %s)", self.spec.model, self.target.name, self._loaded.head_dir, self._loaded.head_version)
 
     # ---- loading and hot swap -------------------------------------------------------------------------
+
+    def _load_pair(self, target: Target | None) -> _Loaded:
+        """Set ``self.target`` (``target``, or ``spec.target`` loaded) and load the head on it."""
+        from eagle.target import load_target
+
+        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype)
+        if self.target.tokenizer is None:
+            raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
+        return self._load(self._head_spec)
 
     def _load(self, head_spec: str | None) -> _Loaded:
         if head_spec is None:
@@ -356,7 +373,7 @@ class PairServer:
         head_dir, current = self._registry.resolve_head_version(spec)
         if current == self._loaded.head_version:
             return False
-        loaded = self._load_dir(head_dir, current)
+        loaded = on_own_thread(self._load_dir, head_dir, current, threads=self.threads)
         with self._swap_lock:
             previous, self._loaded = self._loaded, loaded
         self._add_engine(loaded.engine)
@@ -370,7 +387,7 @@ class PairServer:
             self._watch_s = float(user_config["watch_s"]) if user_config["watch_s"] else None
         head = user_config.get("head", self._head_spec)
         if head != self._head_spec:
-            loaded = self._load(head)
+            loaded = on_own_thread(self._load, head, threads=self.threads)
             with self._swap_lock:
                 self._loaded, self._head_spec = loaded, head
             self._add_engine(loaded.engine)
@@ -394,6 +411,7 @@ class PairServer:
 
     def _decode_loop(self) -> None:
         """Step every engine with work, deliver each step's outputs, sleep when there is none."""
+        use_threads(self.threads)
         try:
             while True:
                 with self._work:
@@ -476,6 +494,7 @@ class PairServer:
             "active_requests": sum(engine.active for engine in self._engines),
             "speculation_policy": loaded.engine.policy.report(),
             "dtype": self.spec.dtype,
+            "threads": self.threads,
             "context_window": loaded.decoder.context_window,
             "max_tokens": self.spec.max_tokens,
             "registry_error": self._watch_error,

@@ -78,7 +78,7 @@ def ours(args, prompts: list[str]) -> list[dict]:
     from jobs.common import init_ray
     from serve.app import build_app
     port = free_port()
-    common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threads": os.cpu_count(), "num_cpus": 0.5,
+    common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threads": args.threads, "num_cpus": 0.5,
               "max_batch_size": args.max_batch, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
               "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
     pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
@@ -128,6 +128,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: the pair's, all cores but one)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-ours", action="store_true", help="reuse OUT/load-ours.json from an earlier run")
     parser.add_argument("--out", default="docs/bench/serve")
@@ -151,7 +152,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
