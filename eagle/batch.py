@@ -128,8 +128,11 @@ class SpeculationPolicy:
     verification of the tree) measured at start-up for a few batch sizes and interpolated between them.
     A speculative step pays off when the expected tokens per row and step (``tau``) exceed the break-even
     ``speculative_ms[B] / plain_ms[B]``; ``tau`` starts at ``prior_tau`` and follows what speculative steps
-    accept (an exponential moving average). While plain decoding wins, every ``explore_every``-th step
-    drafts anyway so that a better-matching workload (say, repetitive text) can switch speculation back on.
+    accept (an exponential moving average). While plain decoding wins, a step drafts anyway now and then so
+    that a better-matching workload (say, repetitive text) can switch speculation back on: after
+    ``explore_every x (break-even - 1)`` plain steps, i.e. exploring costs about one plain step in
+    ``explore_every`` whatever a speculative step costs at this batch size (every 32nd step where drafting
+    costs 2x, every 128th where it costs 5x).
     Verification becomes compute-bound as the batch grows, so the break-even rises with B: the draft
     budget shrinks to nothing at the batch sizes where plain batched decoding is faster."""
 
@@ -165,13 +168,17 @@ class SpeculationPolicy:
             return float("inf")
         return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
 
+    def explore_interval(self, batch: int) -> int:
+        """Steps from one exploring step to the next while plain decoding wins at this batch size."""
+        return max(1, round(self.explore_every * (self.break_even(batch) - 1)))
+
     def choose(self, batch: int) -> str:
         """``"draft"``, ``"explore"`` (drafting to measure acceptance) or ``"plain"`` for this step."""
         if self.mode != "auto":
             decision = "draft" if self.mode == "always" else "plain"
         elif self.tau >= self.break_even(batch):
             decision = "draft"
-        elif self._since_draft + 1 >= self.explore_every:
+        elif self._since_draft + 1 >= self.explore_interval(batch):
             decision = "explore"
         else:
             decision = "plain"

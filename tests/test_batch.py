@@ -237,8 +237,11 @@ def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
     for _ in range(60):
         policy.observe(1.2)  # the drafts stop being accepted
     assert policy.tau < 2.0 and policy.choose(1) == "plain"
-    explorer = SpeculationPolicy({1: 10.0}, {1: 30.0}, prior_tau=1.0, explore_every=4)
-    assert [explorer.choose(1) for _ in range(8)] == ["plain", "plain", "plain", "explore"] * 2
+    # exploring costs about one plain step in explore_every: a speculative step worth 3 plain ones comes
+    # after 4 x (3 - 1) = 8 steps, one worth 6 after 4 x 5 = 20
+    explorer = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 30.0, 8: 120.0}, prior_tau=1.0, explore_every=4)
+    assert [explorer.choose(1) for _ in range(16)] == (["plain"] * 7 + ["explore"]) * 2
+    assert [explorer.choose(8) for _ in range(20)] == ["plain"] * 19 + ["explore"]
     assert policy.report()["decisions"]["plain"] >= 2
 
 
