@@ -5,13 +5,15 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
     .venv/bin/python infra/bench/serve_load.py --head HEAD [--concurrency 1 4 8 16] [--out docs/bench/serve]
 
 1. a private local Ray instance; ``serve.app.build_app`` with two pairs (one replica each, bf16,
-   compiled, ``max_batch_size`` 16): ``smollm2-135m-eagle`` (target + HEAD) and ``smollm2-135m``;
+   compiled, ``max_batch_size`` 16, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
+   (target + HEAD) and ``smollm2-135m``;
 2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level;
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
    the same levels against it; the server stopped;
 4. OUT/load.json (every request) and OUT/load.md (the table).
 
-A benchmark, not a test (about an hour on 2 cores). Both sides get all cores while they run.
+A benchmark, not a test (about 11-15 minutes on 2 cores). Each side runs alone: our pairs are shut down
+before vLLM starts.
 """
 
 from __future__ import annotations
