@@ -34,6 +34,13 @@ T = TypeVar("T")
 PACK_BATCH_HINT = 16
 
 
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def use_threads(threads: int | None) -> int:
     """Give the calling OS thread ``threads`` intra-op threads (None: every core this process may run on);
     returns the count.
@@ -43,7 +50,7 @@ def use_threads(threads: int | None) -> int:
     setting into a new thread only lazily, on its first ``at::parallel_for``. So a thread that runs a model
     calls this first.
     """
-    count = threads or len(os.sched_getaffinity(0))
+    count = threads or available_cores()
     torch.set_num_threads(count)
     return count
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import threading
 import time
 import uuid
@@ -35,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from eagle.batch import BatchDecoder, BatchRequest
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
-from eagle.runtime import on_own_thread, use_threads
+from eagle.runtime import available_cores, on_own_thread, use_threads
 from eagle.target import Target
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
@@ -125,7 +124,7 @@ def default_threads() -> int:
     (SmolLM2 bf16, compiled, target alone, 16 MT-bench prompts x 128 tokens through HTTP): 1 thread served
     52 tok/s at 1 client and 109 at 8, 2 threads 38 and 82-98: the decode step's OpenMP team stalls
     whenever the serving processes take one of its cores (docs/benchmarks.md section 7)."""
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return max(1, available_cores() - 1)
 
 
 @dataclass(frozen=True)
