@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -169,8 +170,10 @@ class SpeculationPolicy:
         return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
 
     def explore_interval(self, batch: int) -> int:
-        """Steps from one exploring step to the next while plain decoding wins at this batch size."""
-        return max(1, round(self.explore_every * (self.break_even(batch) - 1)))
+        """Steps from one exploring step to the next while plain decoding wins at this batch size (none while
+        drafting has no measured cost)."""
+        extra = self.break_even(batch) - 1
+        return max(1, round(self.explore_every * extra)) if extra != float("inf") else sys.maxsize
 
     def choose(self, batch: int) -> str:
         """``"draft"``, ``"explore"`` (drafting to measure acceptance) or ``"plain"`` for this step."""

@@ -242,6 +242,8 @@ def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
     explorer = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 30.0, 8: 120.0}, prior_tau=1.0, explore_every=4)
     assert [explorer.choose(1) for _ in range(16)] == (["plain"] * 7 + ["explore"]) * 2
     assert [explorer.choose(8) for _ in range(20)] == ["plain"] * 19 + ["explore"]
+    unmeasured = SpeculationPolicy({1: 10.0}, {}, prior_tau=1.0)  # nothing to draft with: never explores
+    assert {unmeasured.choose(1) for _ in range(100)} == {"plain"}
     assert policy.report()["decisions"]["plain"] >= 2
 
 
