@@ -98,9 +98,11 @@ bench-fast: install
 bench-vllm-eagle: install
 	infra/bench/vllm_eagle.sh $(HEAD)
 
+# BATCH_GRAPHS="4 8 16": the pairs compile their plain batched steps for those sizes (serve/README.md).
 .PHONY: bench-serve
+BATCH_GRAPHS ?=
 bench-serve: install
-	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --out docs/bench/serve
+	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --batch-graphs $(BATCH_GRAPHS) --cpu-seconds --out docs/bench/serve
 
 .PHONY: serve loadtest
 serve: install

@@ -4,13 +4,14 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
 
     .venv/bin/python infra/bench/serve_load.py --head HEAD [--concurrency 1 4 8 16] [--out docs/bench/serve]
 
-1. a private local Ray instance; ``serve.app.build_app`` with two pairs (one replica each, bf16,
-   compiled, ``max_batch_size`` 16, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
+1. a private local Ray instance; ``serve.app.build_app`` with two pairs (``--replicas`` each, default one,
+   bf16, compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
    (target + HEAD) and ``smollm2-135m``;
 2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level;
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
    the same levels against it; the server stopped;
-4. OUT/load.json (every request) and OUT/load.md (the table).
+4. OUT/load.json (every request; with ``--cpu-seconds`` each level's CPU seconds per process) and OUT/load.md
+   (the table).
 
 A benchmark, not a test (about 11-15 minutes on 2 cores). Each side runs alone: our pairs are shut down
 before vLLM starts.
@@ -61,13 +62,47 @@ def wait_ready(base: str, timeout_s: float, process: subprocess.Popen | None = N
     raise RuntimeError(f"{base} did not answer within {timeout_s:.0f} s")
 
 
-def levels_for(base: str, models: list[str], prompts: list[str], concurrency: list[int], max_tokens: int) -> list[dict]:
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """Per process on this machine: (its command line's first 60 characters, CPU seconds used so far, user +
+    system). Ray renames a worker when it takes on an actor (``ray::ServeReplica:<app>:<deployment>``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            name = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:60]
+        except OSError:  # the process ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state is field 0, utime 11, stime 12
+        used[int(entry.name)] = (name or stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / tick)
+    return used
+
+
+def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], top: int = 8) -> dict[str, float]:
+    """CPU seconds each process used between two ``cpu_seconds`` snapshots (by pid, so a renamed worker
+    counts only its new seconds), summed by name; the ``top`` largest."""
+    spent: dict[str, float] = {}
+    for pid, (name, total) in after.items():
+        spent[name] = spent.get(name, 0.0) + total - before.get(pid, (name, 0.0))[1]
+    return {name: round(t, 2) for name, t in sorted(spent.items(), key=lambda item: -item[1])[:top]}
+
+
+def levels_for(base: str, models: list[str], prompts: list[str], concurrency: list[int], max_tokens: int,
+               measure_cpu: bool = False) -> list[dict]:
+    """Each model at each concurrency; with ``measure_cpu`` each level also records ``cpu_s``: the CPU seconds
+    each process used during it (the 8 largest; only meaningful on a machine running nothing else)."""
     levels = []
     for c in concurrency:
         for model in models:
             # one warm-up request per model and level keeps a cold first request out of the figures
             asyncio.run(run_level(base, model, prompts[:1], 1, 8, 600))
+            before = cpu_seconds() if measure_cpu else {}
             level = asyncio.run(run_level(base, model, prompts, c, max_tokens, 1200))
+            if measure_cpu:
+                level["cpu_s"] = cpu_spent(before, cpu_seconds())
+                logger.info("%s c=%d CPU seconds over %.1f s: %s", model, c, level["wall_s"], level["cpu_s"])
             logger.info("%s c=%d: %.1f tok/s, p50 %.2f s, %d errors", model, c, level["tokens_per_s"] or 0, level["latency_p50_s"] or 0, level["errors"])
             levels.append(level)
     return levels
@@ -81,8 +116,8 @@ def ours(args, prompts: list[str]) -> list[dict]:
     from serve.app import build_app
     port = free_port()
     common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threads": args.threads, "num_cpus": 0.5,
-              "max_batch_size": args.max_batch, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
-              "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
+              "max_batch_size": args.max_batch, "batch_graphs": args.batch_graphs, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
+              "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas}}
     pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
              {"model": "smollm2-135m", "head": None, **common}]
     init_ray(num_cpus=os.cpu_count())
@@ -98,7 +133,7 @@ def ours(args, prompts: list[str]) -> list[dict]:
         time.sleep(5)
     logger.info("our pairs up in %.0f s", time.perf_counter() - started)
     try:
-        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens)
+        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -115,7 +150,7 @@ def vllm(args, prompts: list[str]) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, 1800, process)
-        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens)
+        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 15)
@@ -131,6 +166,9 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: the pair's, all cores but one)")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas per pair (each decodes its own batch at --threads)")
+    parser.add_argument("--batch-graphs", type=int, nargs="*", default=[], help="the pairs' batch_graphs (compiled plain steps per batch size)")
+    parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-ours", action="store_true", help="reuse OUT/load-ours.json from an earlier run")
     parser.add_argument("--out", default="docs/bench/serve")
@@ -154,7 +192,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
