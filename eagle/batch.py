@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, TextDelta, _truncate
@@ -65,6 +66,18 @@ logger = logging.getLogger(__name__)
 
 SPECULATE_MODES = ("auto", "always", "never")
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): spreads (seed, position) pairs
+
+
+def check_graphs(graphs: Sequence[int], max_batch: int, compiled: bool) -> tuple[int, ...]:
+    """The batch sizes of ``BatchDecoder(graphs=...)``, sorted; an ``EagleError`` unless each lies in
+    ``2..max_batch`` and the decoder compiles (a batch of one has its own graphs)."""
+    sizes = tuple(sorted({int(size) for size in graphs}))
+    if sizes and not compiled:
+        raise EagleError("batch graphs need compile 'on'")
+    bad = [size for size in sizes if not 2 <= size <= max_batch]
+    if bad:
+        raise EagleError(f"batch graph sizes must lie in 2..{max_batch} (the batch limit), got {bad}")
+    return sizes
 
 
 def step_seed(seed: int, position: int) -> int:
@@ -218,12 +231,19 @@ class BatchDecoder:
     ``max_batch`` (prefilling each), runs one batched step over every live request and returns the
     (request, output) pairs it produced. ``cancel`` drops a request between steps. ``max_context`` bounds
     prompt + new tokens per request (the KV cache holds ``max_batch`` rows of that many slots).
+
+    ``graphs``: batch sizes whose plain step (one token per row) runs a compiled graph (``compile="on"``
+    only): a plain step of B rows pads to the smallest of them >= B (padding rows write slot 0 of free
+    cache rows and are dropped); larger batches, tree verification and drafting run eagerly. Each graph
+    compiles in ``warmup`` (~1 minute each for SmolLM2 on 2 cores) and saves the eager step's per-op
+    dispatch (docs/benchmarks.md section 7).
     """
 
     def __init__(self, decoder: Decoder, *, max_batch: int = 8, max_context: int | None = None,
-                 speculate: str = "auto", policy: SpeculationPolicy | None = None) -> None:
+                 speculate: str = "auto", policy: SpeculationPolicy | None = None, graphs: Sequence[int] = ()) -> None:
         if max_batch < 1:
             raise EagleError(f"max_batch must be >= 1, got {max_batch}")
+        self.graphs = check_graphs(graphs, max_batch, decoder.compile.enabled)
         self.decoder = decoder
         self.target = decoder.target
         self.runtime = decoder.runtime
@@ -257,6 +277,9 @@ class BatchDecoder:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
         (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
         self.decoder.warmup()  # resolves an auto tree; compiles the single-request graphs a batch of one runs
+        context = min(128, self.max_context // 2)
+        for batch in self.graphs:  # compiled here, not in a request's step
+            self._synthetic_verify(batch, 1, context)
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
         for batch in sizes:
@@ -284,12 +307,36 @@ class BatchDecoder:
 
     def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
         ids, positions, slots, mask = step_inputs(width, context, self.target.device)
+        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
+        self._target_rows(rows(ids), rows(positions), rows(slots[None]), rows(mask))
+
+    def _graph(self, batch: int, width: int) -> int | None:
+        """The compiled batch size a plain step of ``batch`` rows pads to, or None (eager)."""
+        if width != 1 or self._single(batch):
+            return None
+        return next((size for size in self.graphs if size >= batch), None)
+
+    def _target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One target forward over rows ``0..B-1`` of the cache (``ids`` ``[B, q]``, ``slots`` ``[B, q]``, ``mask``
+        ``[B, 1, q, kv]``): (head input ``[B, q, ..]``, logits ``[B, q, V]``, greedy ``[B, q]``). A batch of one
+        runs the single-request graph, a plain step of a size in ``graphs`` (padded up) its graph, the rest
+        the eager batched step."""
+        batch, width = ids.shape
         if self._single(batch):
             view = self.cache.row(0)
-            self.runtime.step(width)(ids, positions, slots, mask, view.keys, view.values)
-            return
-        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
-        self.runtime.rows_model.step_rows(rows(ids), rows(positions), rows(slots[None]), rows(mask), self.cache.keys, self.cache.values)
+            out = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
+            return tuple(t[None] for t in out)
+        size = self._graph(batch, width)
+        if size is None:
+            return self.runtime.rows_model.step_rows(ids, positions, slots, mask, self.cache.keys, self.cache.values)
+        pad = size - batch
+        if pad:  # padding rows: token 0 at position 0 into slot 0 of a free cache row, seeing only itself
+            ids, positions, slots = (F.pad(t, (0, 0, 0, pad)) for t in (ids, positions, slots))
+            alone = torch.zeros(pad, 1, 1, mask.shape[-1], dtype=torch.bool, device=mask.device)
+            alone[..., 0] = True
+            mask = torch.cat([mask, alone])
+        out = self.runtime.rows_step(size)(ids, positions, slots, mask, self.cache.keys, self.cache.values)
+        return tuple(t[:batch] for t in out)
 
     def _synthetic_draft(self, batch: int, context: int) -> None:
         device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
@@ -592,12 +639,7 @@ class BatchDecoder:
         positions = start[:, None] + depths
         slots = start[:, None] + torch.arange(width, device=device)[None]
         mask = rows_mask(start, real, ancestry, int(start.max()) + width)[:, None]
-        if self._single(batch):
-            view = self.cache.row(0)
-            features, logits, greedy = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
-            features, logits, greedy = features[None], logits[None], greedy[None]
-        else:
-            features, logits, greedy = self.runtime.rows_model.step_rows(ids, positions, slots, mask, self.cache.keys, self.cache.values)
+        features, logits, greedy = self._target_rows(ids, positions, slots, mask)
         results, moves = [], []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             sampling = row.request.config.sampling

@@ -109,6 +109,7 @@ class TargetRuntime:
         self.head_layers = tuple(head_layers)
         self.model = self._lean()
         self._steps: dict[int, CompiledFunction] = {}
+        self._row_steps: dict[int, CompiledFunction] = {}
         self._rows_model: LeanModel | None = None
 
     def _lean(self) -> LeanModel:
@@ -124,13 +125,23 @@ class TargetRuntime:
             )
         return self._steps[width]
 
+    def rows_step(self, batch: int) -> CompiledFunction:
+        """``LeanModel.step_rows`` compiled for exactly ``batch`` rows of one token each (a plain batched step;
+        the KV length stays dynamic): ``eagle.batch``'s graphs per padded batch size."""
+        if batch not in self._row_steps:
+            self._row_steps[batch] = CompiledFunction(
+                (self.model, "step_rows"), f"{self.target.name} rows[{batch}]", self.compile, self.target.device, _STEP_DYNAMIC
+            )
+        return self._row_steps[batch]
+
     @property
     def rows_model(self) -> LeanModel:
         """The model the batched path (``eagle.batch``) runs eagerly: under ``compile="on"`` on CPU in
         bf16/fp16 a second ``LeanModel`` whose linears are prepacked for oneDNN (``PackedLinear``), else
         ``self.model``. Why eager: compiled with a dynamic batch dimension, the step ran 3-30x slower
         than eager and erratically (inductor freezing on this CPU, docs/benchmarks.md section 7), and a
-        graph per batch size costs minutes of compilation each."""
+        graph per batch size costs about a minute of compilation each: those are opt-in (``rows_step``,
+        ``BatchDecoder(graphs=...)``)."""
         if self._rows_model is None:
             if self.compile.enabled and packable(self.model.lm_head.weight):
                 self._rows_model = pack_linears(self._lean())
@@ -152,7 +163,7 @@ class TargetRuntime:
         return features[0], head_input[0]
 
     def compile_seconds(self) -> dict[str, float]:
-        return {f.name: f.compile_s for f in self._steps.values() if f.compile_s is not None}
+        return {f.name: f.compile_s for f in (*self._steps.values(), *self._row_steps.values()) if f.compile_s is not None}
 
 
 class HeadRuntime:

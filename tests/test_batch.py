@@ -296,3 +296,37 @@ def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
     for (_, prompt, config), request in zip(jobs, requests):
         assert request.token_ids == _plain(target, prompt, config)
     assert {step.batch for step in requests[0].steps} >= {1, 2}
+
+
+@pytest.mark.slow
+def test_batch_graphs_pad_plain_steps_and_stay_lossless():
+    """``graphs=(2, 4)``: plain steps of 2 rows run the 2-row graph, of 3-4 rows the 4-row graph (3 padded
+    up), of 5 rows the eager step; drafting steps stay eager. Every output equals plain decoding, and the
+    steps really ran at each of those sizes with both graphs compiled."""
+    from eagle.compile import CompileConfig
+
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target), TREES["dynamic"], compile=CompileConfig(mode="on", autotune=False))
+    engine = BatchDecoder(decoder, max_batch=5, max_context=128, speculate="auto", graphs=(4, 2))
+    assert engine.graphs == (2, 4)
+    engine.warmup(repeats=1)
+    assert set(decoder.runtime.compile_seconds()) >= {f"{target.name} rows[2]", f"{target.name} rows[4]"}
+    engine.policy.explore_every = 3  # drafting steps between the plain ones
+    jobs = [(i, prompt, GenerationConfig(max_new_tokens=6 + 5 * (i % 3), stop_token_ids=[])) for i, prompt in enumerate(_prompts(7, 43))]
+    requests = _run_mixed(engine, jobs)
+    for (_, prompt, config), request in zip(jobs, requests):
+        assert request.error is None and request.token_ids == _plain(target, prompt, config), (prompt, config)
+    plain_batches = {step.batch for r in requests for step in r.steps if step.policy == "plain"}
+    assert {2, 3, 4, 5} <= plain_batches, plain_batches
+
+
+def test_batch_graphs_are_checked():
+    from eagle.compile import CompileConfig
+
+    target = _greedy_target()
+    with pytest.raises(EagleError, match="compile 'on'"):
+        BatchDecoder(Decoder(target, None), max_batch=4, graphs=(2,))
+    compiled = Decoder(target, None, compile=CompileConfig(mode="on", autotune=False))
+    for bad in ((1,), (5,), (2, 8)):
+        with pytest.raises(EagleError, match=r"2\.\.4"):
+            BatchDecoder(compiled, max_batch=4, graphs=bad)

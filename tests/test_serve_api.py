@@ -614,3 +614,15 @@ def test_failover_is_bounded_and_never_retries_a_bad_request(memo):
             response = http.post("/v1/completions", json=request)
             assert response.status_code == 400, response.text
     assert len(dying.attempts) == 2
+
+
+def test_batch_graphs_are_validated_with_the_pair():
+    """``batch_graphs`` follows the engine's rule (``eagle.batch.check_graphs``) when the pair's schema is
+    validated: sizes in 2..max_batch_size, compile on only."""
+    from pydantic import ValidationError
+
+    assert PairSpec(model="m", target="t", max_batch_size=16, batch_graphs=(4, 16)).batch_graphs == (4, 16)
+    for bad, expected in (({"batch_graphs": (1,)}, "2..8"), ({"batch_graphs": (16,)}, "2..8"),
+                          ({"batch_graphs": (4,), "compile": "off"}, "compile 'on'")):
+        with pytest.raises(ValidationError, match=r"batch_graphs: .*" + expected.replace(".", r"\.")):
+            PairSpec(model="m", target="t", **bad)
