@@ -277,9 +277,8 @@ class BatchDecoder:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
         (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
         self.decoder.warmup()  # resolves an auto tree; compiles the single-request graphs a batch of one runs
-        context = min(128, self.max_context // 2)
         for batch in self.graphs:  # compiled here, not in a request's step
-            self._synthetic_verify(batch, 1, context)
+            self._synthetic_verify(batch, 1, self._synthetic_context)
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
         for batch in sizes:
@@ -295,7 +294,7 @@ class BatchDecoder:
     def _time_step(self, batch: int, speculative: bool, repeats: int) -> float:
         """Milliseconds of one synthetic step of ``batch`` rows at a 128-token context (the median of
         ``repeats``): catch-up, drafting and the tree's verification, or one plain verification."""
-        context = min(128, self.max_context // 2)
+        context = self._synthetic_context
         times = []
         for _ in range(repeats + 1):  # the first call warms (compiles) and is not counted
             started = time.perf_counter()
@@ -304,6 +303,11 @@ class BatchDecoder:
             self._synthetic_verify(batch, self._verify_width(speculative), context)
             times.append((time.perf_counter() - started) * 1e3)
         return sorted(times[1:])[len(times[1:]) // 2]
+
+    @property
+    def _synthetic_context(self) -> int:
+        """The committed length the warm-up's synthetic steps run at."""
+        return min(128, self.max_context // 2)
 
     def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
         ids, positions, slots, mask = step_inputs(width, context, self.target.device)

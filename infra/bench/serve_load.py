@@ -85,7 +85,7 @@ def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     counts only its new seconds), summed by name; the ``top`` largest."""
     spent: dict[str, float] = {}
     for pid, (name, total) in after.items():
-        spent[name] = spent.get(name, 0.0) + total - before.get(pid, (name, 0.0))[1]
+        spent[name] = spent.get(name, 0.0) + total - before.get(pid, ("", 0.0))[1]
     return {name: round(t, 2) for name, t in sorted(spent.items(), key=lambda item: -item[1])[:top]}
 
 
