@@ -235,7 +235,8 @@ class BatchDecoder:
     ``graphs``: batch sizes whose plain step (one token per row) runs a compiled graph (``compile="on"``
     only): a plain step of B rows pads to the smallest of them >= B (padding rows write slot 0 of free
     cache rows and are dropped); larger batches, tree verification and drafting run eagerly. Each graph
-    compiles in ``warmup`` (~1 minute each for SmolLM2 on 2 cores) and saves the eager step's per-op
+    compiles in ``warmup`` (SmolLM2 on 2 cores: 55 s for 8 rows offline without autotune, ~1.5 minutes
+    a size with autotune at a Serve replica's start-up) and saves the eager step's per-op
     dispatch (docs/benchmarks.md section 7).
     """
 
