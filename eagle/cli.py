@@ -48,6 +48,7 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
         "eagle.head_resolvers plug-in), 'random' (untrained, fixed seed) or 'none' (plain decoding)",
     )
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    _add_device_arg(parser)
     parser.add_argument(
         "--tree", default="dynamic", choices=list(TREE_KINDS),
         help="draft tree policy: dynamic (EAGLE-2), static (EAGLE-1), auto (measured at start-up), hybrid (dynamic + an n-gram branch)",
@@ -61,6 +62,10 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
         help="on: torch.compile the decoder's hot functions (paid once at start-up); off: run them eagerly",
     )
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+
+
+def _add_device_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where the target and head run")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     prompts.add_argument("--set", required=True, choices=list(PROMPT_SETS), dest="prompt_set")
     prompts.add_argument("--target", default="smollm2-135m")
     prompts.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="for the rewrite set's first answers")
+    _add_device_arg(prompts)
     prompts.add_argument("--limit", type=_positive_int, default=None)
     prompts.add_argument("--out", required=True)
 
@@ -120,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile = commands.add_parser("profile", help="time one target forward over tree sizes and one draft step")
     profile.add_argument("--target", default="smollm2-135m")
     profile.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _add_device_arg(profile)
     profile.add_argument("--sizes", default="1,8,16,32,64", help="tree tokens per verification forward")
     profile.add_argument("--context", type=_positive_int, default=256, help="cached tokens before the forward")
     profile.add_argument("--repeats", type=_positive_int, default=10)
@@ -176,7 +183,7 @@ def _load(args):
     head_dir = None if args.head in ("none", "random") else resolve_head_spec(args.head)  # fail before the load
     if head_dir is not None:
         weights_files(head_dir)  # a directory without safetensors weights fails before the target loads
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
     if args.head == "none":
         head = None
     elif args.head == "random":
@@ -284,7 +291,7 @@ def cmd_profile(args) -> int:
     draft_vocabs = [int(s) for s in args.draft_vocab.split(",") if s]
     result = profile_forward(
         args.target, dtype=args.dtype, sizes=sizes, context=args.context, repeats=args.repeats, draft_vocabs=draft_vocabs,
-        compile=args.compile,
+        compile=args.compile, device=args.device,
     )
     text = json.dumps(result, indent=2)
     if args.out:
@@ -298,7 +305,7 @@ def cmd_prompts(args) -> int:
     from eagle import bench
     from eagle.target import load_target
 
-    target = load_target(args.target, dtype=args.dtype)
+    target = load_target(args.target, dtype=args.dtype, device=args.device)
     prompts = bench.prompt_set(args.prompt_set, target, args.limit)
     path = bench.write_prompts(prompts, args.out)
     logger.info("wrote %d prompts (%s) to %s", len(prompts), args.prompt_set, path)

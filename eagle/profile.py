@@ -26,13 +26,20 @@ from eagle.target import Target, load_target
 logger = logging.getLogger(__name__)
 
 
-def time_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` calls, after one untimed call."""
+def time_ms(fn: Callable[[], object], repeats: int, device: torch.device | None = None) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` calls, after one untimed call (on a CUDA ``device``
+    each call is timed until its kernels finished)."""
+    def sync() -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()
     samples = []
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         fn()
+        sync()
         samples.append((time.perf_counter() - started) * 1000)
     return statistics.median(samples)
 
@@ -71,12 +78,13 @@ def profile_forward(
     draft_vocabs: Sequence[int] = (),
     draft_width: int = 4,
     compile: str = "off",
+    device: str = "cpu",
 ) -> dict:
     """Median milliseconds of the target's step (LM head included) over each width after ``context`` cached
     tokens, and of one draft step (head forward over ``draft_width`` rows + draft LM head + top-k) for each
     draft vocabulary; with ``compile="on"`` also each function's compile seconds (the cold start)."""
     if isinstance(target, str):
-        target = load_target(target, dtype=dtype)
+        target = load_target(target, dtype=dtype, device=device)
     config = CompileConfig(mode=compile)
     runtime = target_runtime(target, config)
     device = target.device
@@ -98,7 +106,7 @@ def profile_forward(
     for size in sizes:
         step = runtime.step(size)
         inputs = step_inputs(size, context, device)
-        result["target_step_ms"][size] = round(time_ms(lambda: step(*inputs, cache.keys, cache.values), repeats), 2)
+        result["target_step_ms"][size] = round(time_ms(lambda: step(*inputs, cache.keys, cache.values), repeats, device), 2)
         if step.compile_s is not None:
             result["compile_s"][step.name] = round(step.compile_s, 1)
         logger.info("target step over %d tokens: %.1f ms", size, result["target_step_ms"][size])
@@ -113,7 +121,7 @@ def profile_forward(
         ids, positions, slots, mask = step_inputs(draft_width, context, device)
         width_features = features[-draft_width:][None]
         result["draft_step_ms"][vocab] = round(
-            time_ms(lambda: expand(width_features, ids, positions, slots, mask, head_cache.keys, head_cache.values, draft_width), repeats), 2
+            time_ms(lambda: expand(width_features, ids, positions, slots, mask, head_cache.keys, head_cache.values, draft_width), repeats, device), 2
         )
         if expand.compile_s is not None:
             result["compile_s"][f"{expand.name} vocab {vocab}"] = round(expand.compile_s, 1)

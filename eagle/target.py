@@ -19,6 +19,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,6 +246,22 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise EagleError(f"unknown dtype {dtype!r}: expected one of {', '.join(_DTYPES)}") from None
 
 
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+def check_device(device: str, *, present: bool = True) -> str:
+    """``device`` (``cpu``, ``cuda`` or ``cuda:N``), checked: its spelling, and with ``present`` that this
+    process sees that GPU (a Ray actor sees only the GPUs it reserved: ``num_gpus``). ``EagleError`` if not."""
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise EagleError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if present and device != "cpu":
+        index = int(device.partition(":")[2] or 0)
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= visible:
+            raise EagleError(f"device {device!r}: this process sees {visible} CUDA GPU(s)")
+    return device
+
+
 def cache_root() -> Path:
     """Where converted targets are cached: ``$EAGLE_CACHE_DIR`` or ``~/.cache/eagle-platform``."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "eagle-platform")
@@ -358,9 +375,11 @@ def resolve_target(spec: str) -> tuple[Path, str, str]:
 
 
 def load_target(spec: str = DEFAULT_TARGET, *, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
-    """Load a target by spec (built-in name or local directory), frozen, in ``dtype`` on ``device``."""
+    """Load a target by spec (built-in name or local directory), frozen, in ``dtype`` on ``device``
+    (``check_device``)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch_dtype = parse_dtype(dtype)
+    check_device(device)
     directory, name, revision = resolve_target(spec)
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

@@ -47,7 +47,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     setup_logging()
     if settings.get("threads"):
         torch.set_num_threads(settings["threads"])
-    target = load_target(settings["target"], dtype=settings["dtype"])
+    target = load_target(settings["target"], dtype=settings["dtype"], device=settings.get("device", "cpu"))
     head = EagleHead.from_pretrained(settings["head_dir"], target)
     prompts = load_prompts(limit=settings["prompts"])
     return run_bench(
@@ -106,11 +106,12 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts or preset.eval.prompts, "max_new_tokens": args.max_new_tokens or preset.eval.max_new_tokens,
         "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
         "baselines": [b for b in (args.baselines or "").split(",") if b],
+        "device": "cuda" if args.gpu or preset.eval.use_gpu else "cpu",  # the task reserves the GPU it runs on
     }
     init_ray()
     cpus = max(1, int(ray.available_resources().get("CPU", 1)))
     settings["threads"] = cpus
-    task = ray.remote(num_cpus=cpus, num_gpus=1 if args.gpu else 0)(_bench)
+    task = ray.remote(num_cpus=cpus, num_gpus=1 if settings["device"] == "cuda" else 0)(_bench)
     report = ray.get(task.remote(settings))
 
     aggregate = report["aggregate"]
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
     parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")
-    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="run the bench task on one GPU (it reserves it; target and head load there)")
     parser.add_argument("--out", default=None, help="where to write bench.json (+ .md, .png)")
     return parser
 

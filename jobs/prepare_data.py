@@ -55,7 +55,7 @@ logger = logging.getLogger("jobs.prepare_data")
 SOURCE = "sharegpt"
 REGEN_DTYPE = "bfloat16"  # STACK.md: bf16 generate is ~35 % faster than fp32 on these CPUs
 # Settings that change how fast the data is made, never what is written: a rerun may change them freely.
-EXECUTION_ONLY = ("regen_workers",)
+EXECUTION_ONLY = ("regen_workers", "regen_gpus")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -75,6 +75,8 @@ def validate(config: DataConfig) -> None:
         raise EagleError(f"data setting regen_temperature must be >= 0, got {config.regen_temperature}")
     if config.regen_engine not in ("hf", "eagle"):
         raise EagleError(f"data setting regen_engine must be hf or eagle, got {config.regen_engine!r}")
+    if config.regen_gpus < 0:
+        raise EagleError(f"data setting regen_gpus must be >= 0, got {config.regen_gpus}")
 
 
 def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
@@ -85,6 +87,8 @@ def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
         settings["regen_dtype"] = regen_dtype
         if settings.get("regen_engine") == "hf":  # the default: datasets made before the field keep their identity
             del settings["regen_engine"]
+        if config.regen_gpus:  # other kernels, other rounding: answers made on a GPU are another dataset
+            settings["regen_device"] = "cuda"
     else:
         settings = {k: v for k, v in settings.items() if not k.startswith("regen_")}
     return settings
@@ -281,12 +285,13 @@ def regenerate_conversations(
 
 
 class RegenerationWorker:
-    """One Ray actor: loads the target once (bf16 on CPU), then regenerates whole shards on request."""
+    """One Ray actor: loads the target once (on its GPU when ``config.regen_gpus``, else on CPU), then
+    regenerates whole shards on request."""
 
     def __init__(self, target_spec: str, dtype: str, config: DataConfig, threads: int) -> None:
         worker_env()
         torch.set_num_threads(threads)
-        self.target = load_target(target_spec, dtype=dtype)
+        self.target = load_target(target_spec, dtype=dtype, device="cuda" if config.regen_gpus else "cpu")
         self.config = config
 
     def regenerate(self, shard: ShardWork) -> tuple[list[Conversation], RegenStats]:
@@ -385,7 +390,8 @@ def regenerate_shards(
 ) -> None:
     """Regenerate shards on ``config.regen_workers`` Ray actors; each finished shard goes to ``on_done`` at once.
 
-    Each actor gets ``max(1, CPUs / workers)`` CPUs (and as many torch threads) and is handed the next shard
+    Each actor gets ``max(1, CPUs / workers)`` CPUs (and as many torch threads) and ``config.regen_gpus`` GPUs,
+    and is handed the next shard
     as soon as it returns one, so a slow shard never holds the others back.
     """
     import ray
@@ -396,7 +402,7 @@ def regenerate_shards(
     if workers < config.regen_workers:
         logger.info("regenerating with %d worker(s) (%d asked, %d shards to do, %d CPUs free)", workers, config.regen_workers, len(todo), cpus)
     threads = max(1, cpus // workers)
-    actor_class = ray.remote(RegenerationWorker).options(num_cpus=threads)
+    actor_class = ray.remote(RegenerationWorker).options(num_cpus=threads, num_gpus=config.regen_gpus)
     actors = [actor_class.remote(target_spec, dtype, config, threads) for _ in range(workers)]
     queue = deque(todo)
     running: dict[Any, tuple[Any, ShardWork]] = {}
@@ -603,6 +609,7 @@ _DATA_FLAGS = {  # flag -> (DataConfig field, type)
     "--regen-engine": ("regen_engine", str),
     "--regen-workers": ("regen_workers", int),
     "--regen-turns": ("regen_turns", int),
+    "--regen-gpus": ("regen_gpus", float),
 }
 
 

@@ -63,8 +63,21 @@ class PairArgs(PairSpec):
     max_ongoing_requests: int = Field(8, ge=1)
     max_queued_requests: int = Field(16, ge=-1)
     num_cpus: float = Field(1.0, ge=0)
+    num_gpus: float | None = Field(None, ge=0)  # None: 1 for a CUDA pair (its ``device``), 0 on CPU
     health_check_period_s: float = Field(10.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(120.0, ge=0)
+
+    @model_validator(mode="after")
+    def _gpus_for_device(self) -> "PairArgs":
+        if self.device != "cpu" and self.num_gpus == 0:
+            raise ValueError(f"device {self.device!r} needs num_gpus > 0: a Ray actor sees only the GPUs it reserves")
+        return self
+
+    def actor_gpus(self) -> float:
+        """GPUs each replica reserves."""
+        if self.num_gpus is not None:
+            return self.num_gpus
+        return 0.0 if self.device == "cpu" else 1.0
 
     def spec(self) -> dict[str, Any]:
         """The ``PairSpec`` fields as a plain dict (what the replica constructor receives and validates)."""
@@ -185,7 +198,7 @@ def _pair_deployment(pair: PairArgs, tracking_uri: str | None, retry_after_s: fl
         max_ongoing_requests=pair.max_ongoing_requests,
         max_queued_requests=pair.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=backpressure_status, retry_after_s=retry_after_s),
-        ray_actor_options={"num_cpus": pair.num_cpus, "runtime_env": {"env_vars": _replica_env(tracking_uri)}},
+        ray_actor_options={"num_cpus": pair.num_cpus, "num_gpus": pair.actor_gpus(), "runtime_env": {"env_vars": _replica_env(tracking_uri)}},
         user_config={"head": pair.head, "watch_s": pair.watch_s},
         health_check_period_s=pair.health_check_period_s,
         graceful_shutdown_timeout_s=pair.graceful_shutdown_timeout_s,

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle.batch import BatchDecoder, BatchRequest, check_graphs
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
 from eagle.runtime import available_cores, on_own_thread, use_threads
-from eagle.target import Target
+from eagle.target import Target, check_device
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
 
@@ -86,6 +86,8 @@ class PairSpec(BaseModel):
         target: a built-in target name (``smollm2-135m``) or a local Hugging Face directory.
         head: ``models:/<name>@<alias>`` (registry), a local head directory, or None for the target alone.
         dtype: weights and compute dtype of target and head.
+        device: where target and head run: ``cpu``, ``cuda`` or ``cuda:N`` (``eagle.target.check_device``;
+            a CUDA pair's replicas reserve GPUs, ``serve.app.PairArgs.num_gpus``).
         max_tokens: the largest ``max_tokens`` a request may ask for.
         default_max_tokens: used when a request gives none (capped by what fits the context).
         watch_s: registry poll interval for hot swap (``models:/...@alias`` heads only); None disables it.
@@ -109,6 +111,7 @@ class PairSpec(BaseModel):
     target: str = Field(min_length=1)
     head: str | None = None
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    device: str = "cpu"
     max_tokens: int = Field(1024, ge=1)
     default_max_tokens: int = Field(256, ge=1)
     watch_s: float | None = Field(WATCH_S, gt=0)
@@ -120,6 +123,11 @@ class PairSpec(BaseModel):
     max_context: int = Field(2048, ge=2)
     speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
     stuck_after_s: float = Field(120.0, gt=0)
+
+    @field_validator("device")
+    @classmethod
+    def _device_spelling(cls, device: str) -> str:
+        return check_device(device, present=False)  # whether the replica sees it is checked where it loads
 
     @model_validator(mode="after")
     def _graphs_fit(self) -> "PairSpec":
@@ -319,7 +327,7 @@ class PairServer:
         """Set ``self.target`` (``target``, or ``spec.target`` loaded) and load the head on it."""
         from eagle.target import load_target
 
-        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype)
+        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype, device=self.spec.device)
         if self.target.tokenizer is None:
             raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
         return self._load(self._head_spec)

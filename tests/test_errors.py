@@ -120,6 +120,8 @@ def test_bad_requests_raise_clear_errors():
         (["generate"], "one of the arguments --prompt --chat is required"),
         (["bench", "--out", "x.json", "--baselines", "vllm"], "unknown baseline"),
         (["bench", "--out", "x.json", "--prompts", "/nonexistent.jsonl"], "nonexistent.jsonl"),
+        (["generate", "--prompt", "hi", "--device", "gpu"], "device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu'"),
+        (["profile", "--device", "cuda:63"], "device 'cuda:63': this process sees"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -129,6 +131,22 @@ def test_cli_bad_input_exits_2_with_one_line(argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0]
     assert message in err[0]
+
+
+def test_devices_are_checked_for_spelling_and_presence():
+    from eagle.target import check_device
+
+    assert check_device("cpu") == "cpu"
+    for spelled in ("cuda", "cuda:0", "cuda:12"):
+        assert check_device(spelled, present=False) == spelled
+    for bad in ("gpu", "CUDA", "cuda:", "cuda:-1", "cuda:0 ", "", None):
+        with pytest.raises(EagleError, match="device must be"):
+            check_device(bad, present=False)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(EagleError, match=f"sees {visible} CUDA GPU"):
+        check_device(f"cuda:{visible}")
+    with pytest.raises(EagleError, match="sees"):  # before any weight is read
+        load_target("smollm2-135m", device=f"cuda:{visible}")
 
 
 def test_local_hf_directory_loads_as_a_target(tmp_path):

@@ -432,7 +432,7 @@ def test_a_broken_serve_config_is_refused():
         with pytest.raises(ValidationError):
             ServeDeploySchema.model_validate(broken)
     args = copy.deepcopy(config["applications"][0]["args"])
-    args["pairs"][0]["num_gpus"] = 1  # serve.app.PairArgs has no GPU field (docs/operations.md, "Serving")
+    args["pairs"][0]["num_tpus"] = 1  # not a field of serve.app.PairArgs
     with pytest.raises(ValidationError):
         AppArgs.model_validate(args)
 
@@ -595,3 +595,40 @@ def test_platform_service_args_parse_with_its_own_parser():
     assert {"EAGLE_PLATFORM_TOKEN", "RAY_AUTH_TOKEN", "RAY_AUTH_MODE", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} <= env
     with pytest.raises(SystemExit):
         build_parser().parse_args(container["args"] + ["--no-such-flag"])
+
+
+# -------------------------------------------------------------------------------- the GPU check (infra/gpu)
+
+GPU_CHECK = ROOT / "infra" / "gpu" / "check.sh"
+
+
+def test_the_gpu_check_fits_nine_minutes_and_runs_presets_that_exist():
+    """The steps' time limits add up to at most 9 minutes, and the training preset it runs puts every stage
+    on the GPU (regeneration, features, training, evaluation)."""
+    from jobs.presets import get_preset
+
+    text = GPU_CHECK.read_text()
+    limits = [int(limit) for limit in re.findall(r"^\s*step [\w-]+ (\d+) ", text, flags=re.M)]
+    assert len(limits) == 7 and sum(limits) <= 9 * 60
+    presets = set(re.findall(r"--preset ([\w-]+)", text))
+    assert presets == {"gpu-smoke"}
+    preset = get_preset("gpu-smoke")
+    assert preset.data.regenerate and preset.data.regen_gpus >= 1
+    assert preset.features.use_gpu and preset.train.use_gpu and preset.eval.use_gpu
+
+
+def test_the_gpu_check_stops_at_the_gpu_step_on_a_machine_without_one(tmp_path):
+    """Run for real with no GPU visible: it records the missing GPU as a failed step in check.json and exits
+    1, before starting anything."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = {"PATH": "/usr/bin:/bin", "EAGLE_PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(GPU_CHECK), str(out)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    result = json.loads((out / "check.json").read_text())
+    assert result["passed"] is False
+    assert [(s["step"], s["status"]) for s in result["steps"]] == [("gpu", "failed")]
+    assert "no CUDA GPU is visible" in (out / "gpu.log").read_text()

@@ -350,3 +350,22 @@ def test_cli_overrides_reach_the_data_config(tmp_path):
     assert (data.conversations, data.regenerate, data.regen_temperature, data.regen_max_new_tokens) == (7, True, 0.5, 9)
     assert (data.regen_batch_size, data.regen_workers, data.max_length) == (3, 2, 99)
     assert preset_from_args(build_parser().parse_args([])).data == get_preset("quick").data
+
+
+def test_regeneration_on_a_gpu_is_another_dataset_and_needs_one(tmp_path, capsys):
+    """``regen_gpus``: how fast, not what, except that GPU kernels round differently, so a dataset regenerated
+    on a GPU has its own identity (a CPU one keeps the identity it had before the field); a worker that sees
+    no GPU fails at load with one line, and a negative count is refused."""
+    from jobs.prepare_data import RegenerationWorker, content_settings
+
+    cpu = DataConfig(regenerate=True)
+    assert content_settings(cpu, "bfloat16") == content_settings(replace(cpu, regen_workers=4), "bfloat16")
+    assert "regen_gpus" not in content_settings(cpu, "bfloat16") and "regen_device" not in content_settings(cpu, "bfloat16")
+    assert content_settings(replace(cpu, regen_gpus=1), "bfloat16")["regen_device"] == "cuda"
+    assert content_settings(replace(cpu, regen_gpus=0.5), "bfloat16") == content_settings(replace(cpu, regen_gpus=1), "bfloat16")
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not visible:
+        with pytest.raises(EagleError, match="this process sees 0 CUDA GPU"):
+            RegenerationWorker(TARGET, "bfloat16", replace(cpu, regen_gpus=1), threads=1)
+    assert main(["--storage", str(tmp_path / "store"), "--regen-gpus", "-1"]) == 2
+    assert "regen_gpus must be >= 0" in _one_error_line(capsys)

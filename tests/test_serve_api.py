@@ -626,3 +626,35 @@ def test_batch_graphs_are_validated_with_the_pair():
                           ({"batch_graphs": (4,), "compile": "off"}, "compile 'on'")):
         with pytest.raises(ValidationError, match=r"batch_graphs: .*" + expected.replace(".", r"\.")):
             PairSpec(model="m", target="t", **bad)
+
+
+def test_a_pair_takes_a_device_and_a_cuda_pair_reserves_gpus():
+    """``device`` is part of the pair's schema (spelling checked when the config is validated; whether the
+    replica sees the GPU, when it loads); a CUDA pair's replicas reserve GPUs, since a Ray actor sees only
+    the GPUs it reserved."""
+    from pydantic import ValidationError
+
+    from serve.app import PairArgs, _pair_deployment
+
+    assert PairSpec(model="m", target="t").device == "cpu"
+    assert PairSpec(model="m", target="t", device="cuda:1").device == "cuda:1"
+    for bad in ("gpu", "cuda:", "CUDA"):
+        with pytest.raises(ValidationError, match="device must be"):
+            PairSpec(model="m", target="t", device=bad)
+    cpu, cuda = PairArgs(model="m", target="t"), PairArgs(model="m", target="t", device="cuda")
+    assert (cpu.actor_gpus(), cuda.actor_gpus(), PairArgs(model="m", target="t", device="cuda", num_gpus=0.5).actor_gpus()) == (0.0, 1.0, 0.5)
+    assert cuda.spec()["device"] == "cuda" and "num_gpus" not in cuda.spec()
+    assert _pair_deployment(cuda, None, 1.0, 503).ray_actor_options["num_gpus"] == 1.0
+    assert _pair_deployment(cpu, None, 1.0, 503).ray_actor_options["num_gpus"] == 0.0
+    with pytest.raises(ValidationError, match="needs num_gpus > 0"):
+        PairArgs(model="m", target="t", device="cuda", num_gpus=0)
+
+
+def test_a_replica_without_the_pairs_gpu_fails_at_load_with_one_line():
+    import torch
+
+    from eagle.errors import EagleError
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(EagleError, match=f"device 'cuda:{visible}': this process sees {visible} CUDA GPU"):
+        PairServer(PairSpec(model="m", target="smollm2-135m", device=f"cuda:{visible}"))

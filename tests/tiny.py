@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -46,5 +48,6 @@ def tiny_target(
                 torch.nn.init.normal_(parameter, std=0.5 / parameter.shape[1] ** 0.5)
         with torch.no_grad():
             model.lm_head.weight.mul_(logit_scale)
-    model = model.to(dtype)
+    # EAGLE_TEST_DEVICE=cuda runs the tests that use tiny targets on a GPU (infra/gpu/check.sh)
+    model = model.to(dtype).to(os.environ.get("EAGLE_TEST_DEVICE", "cpu"))
     return Target(model, None, name=f"tiny-{model_type}", revision=f"seed-{seed}")
