@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from eagle.batch import BatchDecoder  # noqa: E402
+from eagle.compile import CompileConfig  # noqa: E402
 from eagle.bench import load_prompts  # noqa: E402
 from eagle.generate import Decoder, GenerationConfig  # noqa: E402
 from eagle.runtime import use_threads  # noqa: E402
@@ -33,6 +34,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--no-autotune", action="store_true", help="compile without inductor's GEMM autotuning (eagle.compile)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     use_threads(args.threads)
@@ -43,7 +45,7 @@ def main() -> int:
                          add_special_tokens=False)
         for p in load_prompts(None, 16) if p.text
     ]
-    engine = BatchDecoder(Decoder(target, None, compile="on"), max_batch=args.max_batch, graphs=tuple(args.graphs))
+    engine = BatchDecoder(Decoder(target, None, compile=CompileConfig(mode="on", autotune=not args.no_autotune)), max_batch=args.max_batch, graphs=tuple(args.graphs))
     started = time.perf_counter()
     report = engine.warmup()
     logger.info("warm-up %.0f s; plain step ms by batch size: %s", time.perf_counter() - started, report.get("plain_ms"))
@@ -73,8 +75,8 @@ def main() -> int:
                 live.remove(request)
                 tokens += sum(len(o.token_ids) for o in request.outputs)
         wall = time.perf_counter() - started
-        logger.info("concurrency %d, graphs %s, %d thread(s): %d tokens in %.2f s = %.1f tok/s; %d steps; prefills %.2f s, batched steps %.2f s",
-                    args.concurrency, args.graphs, args.threads, tokens, wall, tokens / wall, steps, spent["prefill"], spent["steps"])
+        logger.info("concurrency %d, graphs %s, %d thread(s), autotune %s: %d tokens in %.2f s = %.1f tok/s; %d steps; prefills %.2f s, batched steps %.2f s",
+                    args.concurrency, args.graphs, args.threads, not args.no_autotune, tokens, wall, tokens / wall, steps, spent["prefill"], spent["steps"])
     return 0
 
 
