@@ -39,12 +39,7 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     use_threads(args.threads)
     target = load_target("smollm2-135m", dtype="bfloat16")
-    tokenizer = target.tokenizer
-    prompts = [
-        tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p.text}], tokenize=False, add_generation_prompt=True),
-                         add_special_tokens=False)
-        for p in load_prompts(None, 16) if p.text
-    ]
+    prompts = [target.encode(p.text, chat=True) for p in load_prompts(None, 16) if p.text]
     engine = BatchDecoder(Decoder(target, None, compile=CompileConfig(mode="on", autotune=not args.no_autotune)), max_batch=args.max_batch, graphs=tuple(args.graphs))
     started = time.perf_counter()
     report = engine.warmup()

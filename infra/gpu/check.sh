@@ -40,6 +40,20 @@ step() {  # step NAME LIMIT_S command...: run with a time limit, log to OUT_DIR/
     return $rc
 }
 
+finish() {  # write OUT_DIR/check.json from the steps recorded so far, print it, exit 0 if every step passed
+    "$PY" - "$STEPS" "$OUT_DIR/check.json" "$OUT_DIR/gpu.log" <<'PY'
+import json, sys
+steps = [json.loads(line) for line in open(sys.argv[1])]
+gpu_ok = any(s["step"] == "gpu" and s["status"] == "passed" for s in steps)
+result = {"gpu": json.loads(open(sys.argv[3]).read().strip().splitlines()[-1]) if gpu_ok else None,
+          "steps": steps, "passed": all(s["status"] == "passed" for s in steps)}
+json.dump(result, open(sys.argv[2], "w"), indent=2)
+print(json.dumps(result, indent=2))
+sys.exit(0 if result["passed"] else 1)
+PY
+    exit $?
+}
+
 if [[ -n "${EAGLE_PYTHON:-}" ]]; then
     PY="$EAGLE_PYTHON"
     export PYTHONPATH="$REPO_ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -57,12 +71,7 @@ if not torch.cuda.is_available():
     sys.exit("no CUDA GPU is visible to torch " + torch.__version__)
 props = torch.cuda.get_device_properties(0)
 print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}))
-' || { "$PY" - "$STEPS" "$OUT_DIR/check.json" <<'PY'
-import json, sys
-steps = [json.loads(line) for line in open(sys.argv[1])]
-json.dump({"steps": steps, "passed": False}, open(sys.argv[2], "w"), indent=2)
-PY
-exit 1; }
+' || finish  # no GPU: nothing after this can run
 
 step lossless 60 env EAGLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x -m "not slow" -p no:cacheprovider \
     tests/test_lossless_greedy.py tests/test_lossless_sampling.py --junitxml "$OUT_DIR/lossless.xml"
@@ -75,12 +84,4 @@ step bench 60 "$BIN_DIR/eaglectl" bench --device cuda --dtype bfloat16 --head "m
     --limit 5 --max-new-tokens 64 --baselines hf --out "$OUT_DIR/bench.json"
 step stack-down 15 infra/local/stack.sh down
 
-"$PY" - "$STEPS" "$OUT_DIR/check.json" "$OUT_DIR/gpu.log" <<'PY'
-import json, sys
-steps = [json.loads(line) for line in open(sys.argv[1])]
-gpu = open(sys.argv[3]).read().strip().splitlines()
-result = {"gpu": json.loads(gpu[-1]) if gpu else None, "steps": steps, "passed": all(s["status"] == "passed" for s in steps)}
-json.dump(result, open(sys.argv[2], "w"), indent=2)
-print(json.dumps(result, indent=2))
-sys.exit(0 if result["passed"] else 1)
-PY
+finish
