@@ -143,16 +143,7 @@ class Target:
 
     @property
     def eos_token_ids(self) -> list[int]:
-        ids: set[int] = set()
-        generation_config = getattr(self.model, "generation_config", None)
-        for source in (getattr(generation_config, "eos_token_id", None), getattr(self.config, "eos_token_id", None)):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return sorted(ids)
+        return stop_token_ids(getattr(self.model, "generation_config", None), self.config, self.tokenizer)
 
     def _require_tokenizer(self):
         if self.tokenizer is None:
@@ -286,6 +277,21 @@ def _builtin_gguf_path(spec: BuiltinTarget) -> Path:
     if not path.is_file():
         raise UnknownTargetError(f"target {spec.name!r}: {path} is missing from its package")
     return path
+
+
+def stop_token_ids(generation_config, config, tokenizer) -> list[int]:
+    """The ids that end an answer: the generation config's and the model config's ``eos_token_id`` (an int or a
+    list) and the tokenizer's EOS, sorted. Any of the three may be None. ``Target.eos_token_ids`` and the
+    regeneration driver (which reads the configs without loading weights) both call this."""
+    ids: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), getattr(config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
 
 
 def materialize_builtin(name: str) -> tuple[Path, str]:

@@ -2,10 +2,12 @@
 
     python -m jobs.prepare_data --preset quick [--target smollm2-135m] [--dataset NAME] [--storage URI]
         [--conversations N] [--regenerate] [--regen-temperature T] [--regen-max-new-tokens N]
-        [--regen-batch-size B] [--regen-workers W] [--max-length L]
+        [--regen-batch-size B] [--regen-workers W] [--max-length L] [--regen-engine hf|eagle|vllm]
+        [--regen-gpus G] [--regen-tensor-parallel T] [--regen-endpoint URL]
 
 Owns: resolving the preset and its command-line overrides; loading and splitting ShareGPT (``eagle.data``);
-optionally *regenerating* the assistant answers with the target itself on Ray workers; rendering each
+optionally *regenerating* the assistant answers with the target itself on Ray workers (or on vLLM through
+Ray Data LLM: ``jobs/regen_llm.py``); rendering each
 conversation with the target's chat template into ``input_ids`` + an assistant-only ``loss_mask``; writing
 the shards, the train split's token counts and the manifest exactly as ``jobs/layout.py`` lays them out.
 
@@ -44,7 +46,7 @@ from tqdm import tqdm
 
 from eagle.data import Conversation, TokenizedConversation, load_sharegpt, sharegpt_path, split, tokenize, tokenizer_fingerprint
 from eagle.errors import EagleError
-from eagle.target import Target, adapter_for, load_target, resolve_target
+from eagle.target import Target, adapter_for, load_target, resolve_target, stop_token_ids
 from jobs import layout
 from jobs.common import init_ray, job_parser, run_job, worker_env
 from jobs.presets import DataConfig, Preset, get_preset
@@ -55,7 +57,9 @@ logger = logging.getLogger("jobs.prepare_data")
 SOURCE = "sharegpt"
 REGEN_DTYPE = "bfloat16"  # STACK.md: bf16 generate is ~35 % faster than fp32 on these CPUs
 # Settings that change how fast the data is made, never what is written: a rerun may change them freely.
-EXECUTION_ONLY = ("regen_workers", "regen_gpus")
+EXECUTION_ONLY = ("regen_workers", "regen_gpus", "regen_endpoint", "regen_vllm_python", "regen_group_shards")
+VLLM_ONLY = ("regen_tensor_parallel", "regen_vllm_cpus")  # content settings that only the vllm engine has
+REGEN_ENGINES = ("hf", "eagle", "vllm")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -65,7 +69,8 @@ EXECUTION_ONLY = ("regen_workers", "regen_gpus")
 
 def validate(config: DataConfig) -> None:
     """Reject settings that cannot produce data, with one line for the user."""
-    positive = ("conversations", "max_length", "shard_records", "regen_max_new_tokens", "regen_batch_size", "regen_workers", "regen_turns")
+    positive = ("conversations", "max_length", "shard_records", "regen_max_new_tokens", "regen_batch_size", "regen_workers", "regen_turns",
+                "regen_tensor_parallel")
     for name in positive:
         if getattr(config, name) < 1:
             raise EagleError(f"data setting {name} must be >= 1, got {getattr(config, name)}")
@@ -73,10 +78,25 @@ def validate(config: DataConfig) -> None:
         raise EagleError(f"data setting eval_fraction must be in [0, 1), got {config.eval_fraction}")
     if config.regen_temperature < 0:
         raise EagleError(f"data setting regen_temperature must be >= 0, got {config.regen_temperature}")
-    if config.regen_engine not in ("hf", "eagle"):
-        raise EagleError(f"data setting regen_engine must be hf or eagle, got {config.regen_engine!r}")
+    if config.regen_engine not in REGEN_ENGINES:
+        raise EagleError(f"data setting regen_engine must be one of {', '.join(REGEN_ENGINES)}, got {config.regen_engine!r}")
     if config.regen_gpus < 0:
         raise EagleError(f"data setting regen_gpus must be >= 0, got {config.regen_gpus}")
+    if config.regen_engine == "vllm":
+        if config.regen_gpus:
+            raise EagleError("data setting regen_gpus is for the hf and eagle engines: vllm replicas reserve "
+                             "regen_tensor_parallel GPUs each")
+        if config.regen_endpoint is not None and not config.regen_endpoint.startswith(("http://", "https://")):
+            raise EagleError(f"data setting regen_endpoint must be an http(s) URL, got {config.regen_endpoint!r}")
+        for name in ("regen_vllm_cpus", "regen_group_shards"):
+            if getattr(config, name) < 0:
+                raise EagleError(f"data setting {name} must be >= 0, got {getattr(config, name)}")
+        if config.regen_vllm_cpus and config.regen_tensor_parallel != 1:
+            raise EagleError("data setting regen_tensor_parallel must be 1 for CPU replicas (regen_vllm_cpus)")
+    elif (config.regen_endpoint, config.regen_vllm_python, config.regen_tensor_parallel, config.regen_vllm_cpus,
+          config.regen_group_shards) != (None, None, 1, 0, 0):
+        raise EagleError("data settings regen_endpoint, regen_tensor_parallel, regen_vllm_cpus, regen_vllm_python and "
+                         f"regen_group_shards are for regen_engine vllm, not {config.regen_engine}")
 
 
 def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
@@ -87,6 +107,9 @@ def content_settings(config: DataConfig, regen_dtype: str) -> dict[str, Any]:
         settings["regen_dtype"] = regen_dtype
         if settings.get("regen_engine") == "hf":  # the default: datasets made before the field keep their identity
             del settings["regen_engine"]
+        if config.regen_engine != "vllm":  # likewise for datasets made before vllm
+            for name in VLLM_ONLY:
+                del settings[name]
         if config.regen_gpus:  # other kernels, other rounding: answers made on a GPU are another dataset
             settings["regen_device"] = "cuda"
     else:
@@ -116,6 +139,11 @@ class RegenStats:
     @property
     def tokens_per_second(self) -> float:
         return self.answer_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @classmethod
+    def total(cls, parts: Sequence[RegenStats], seconds: float) -> RegenStats:
+        """The answers and answer tokens of ``parts`` (per conversation, from ``answer_turns``) in ``seconds``."""
+        return cls(sum(p.answers for p in parts), sum(p.answer_tokens for p in parts), seconds)
 
 
 def chat_prompt(tokenizer, messages: list[dict[str, str]]) -> list[int]:
@@ -222,26 +250,53 @@ def _answers_by_batch_decoder(target: Target, prompts: list[list[int]], *, max_n
     return answers
 
 
+Answerer = Callable[[list[list[int]], int], list[list[int]]]
+"""(prompts, seed) -> each prompt's answer token ids, in order, ending with an EOS id exactly when the target
+stopped by itself (an answer without one was cut at the token cap)."""
+
+
 def regenerate_conversations(
     target: Target, conversations: Sequence[Conversation], config: DataConfig, *, seed: int
 ) -> tuple[list[Conversation], RegenStats]:
-    """Replace the assistant answers with the target's own, turn by turn (EAGLE-3 / SpecForge regeneration).
+    """Replace the assistant answers with the target's own, turn by turn (``answer_turns``), generating on
+    this process's ``target`` with ``config.regen_engine`` (hf or eagle, ``generate_answers``).
+    ``torch.manual_seed(seed)`` first, so a sampled shard is reproducible."""
+    torch.manual_seed(seed)
+
+    def answer(prompts: list[list[int]], turn_seed: int) -> list[list[int]]:
+        return generate_answers(
+            target, prompts, max_new_tokens=config.regen_max_new_tokens, temperature=config.regen_temperature,
+            batch_size=config.regen_batch_size, max_length=config.max_length, engine=config.regen_engine, seed=turn_seed,
+        )
+
+    started = time.perf_counter()
+    done, costs = answer_turns(conversations, target.tokenizer, target.eos_token_ids, answer, config, seed=seed)
+    stats = RegenStats.total(costs, time.perf_counter() - started)
+    return [conversation for conversation in done if conversation is not None], stats
+
+
+def answer_turns(
+    conversations: Sequence[Conversation], tokenizer, eos_token_ids: Sequence[int], answer: Answerer, config: DataConfig,
+    *, seed: int,
+) -> tuple[list[Conversation | None], list[RegenStats]]:
+    """Replace the assistant answers with the target's own, turn by turn (EAGLE-3 / SpecForge regeneration);
+    ``answer`` generates (on a local engine, or on vLLM through Ray Data in jobs/regen_llm.py). Returns the
+    conversations and, aligned with them, what each cost (answers and answer tokens; no seconds: a turn is
+    answered for all conversations at once).
 
     Keeps the first ``config.regen_turns`` user turns; turn ``k`` is asked after the target's answers to
     turns ``1..k-1``. A conversation stops at a turn whose prompt leaves no room under ``max_length`` or
-    whose answer is empty; one with no answer at all is dropped. It also stops after an answer that hit the
-    token cap before EOS: that answer is kept, and the conversation is marked ``unfinished`` so that it is
-    rendered without the end-of-turn marker the target never produced (a later turn would follow a marker
-    the target did not say). ``torch.manual_seed(seed)`` first, so a sampled shard is reproducible.
+    whose answer is empty; one with no answer at all is dropped (None in its place: the result is aligned
+    with ``conversations``). It also stops after an answer that hit the token cap before EOS: that answer is
+    kept, and the conversation is marked ``unfinished`` so that it is rendered without the end-of-turn
+    marker the target never produced (a later turn would follow a marker the target did not say).
     """
-    torch.manual_seed(seed)
-    tokenizer = target.tokenizer
     questions = [[text for role, text in conv.turns if role == "user"][: config.regen_turns] for conv in conversations]
     histories: list[list[dict[str, str]]] = [[] for _ in conversations]
     open_ = set(range(len(conversations)))  # conversations still being answered
     unfinished: set[int] = set()  # conversations whose last answer was cut at the token cap
-    answers = answer_tokens = 0
-    started = time.perf_counter()
+    answers = [0] * len(conversations)
+    answer_tokens = [0] * len(conversations)
     for turn in range(config.regen_turns):
         asked: dict[int, tuple[list[dict[str, str]], list[int]]] = {}
         for index in sorted(open_):
@@ -255,33 +310,24 @@ def regenerate_conversations(
             asked[index] = (messages, prompt)
         if not asked:
             break
-        generated = generate_answers(
-            target,
-            [prompt for _, prompt in asked.values()],
-            max_new_tokens=config.regen_max_new_tokens,
-            temperature=config.regen_temperature,
-            batch_size=config.regen_batch_size,
-            max_length=config.max_length,
-            engine=config.regen_engine,
-            seed=seed * 1_000_003 + turn,
-        )
+        generated = answer([prompt for _, prompt in asked.values()], seed * 1_000_003 + turn)
         for (index, (messages, _)), tokens in zip(asked.items(), generated):
-            answer_tokens += len(tokens)
+            answer_tokens[index] += len(tokens)
             text = tokenizer.decode(tokens, skip_special_tokens=True)
             if not text.strip():
                 open_.discard(index)
                 continue
-            answers += 1
+            answers[index] += 1
             histories[index] = messages + [{"role": "assistant", "content": text}]
-            if tokens[-1] not in target.eos_token_ids:  # cut at the token cap: the target had not finished
+            if tokens[-1] not in eos_token_ids:  # cut at the token cap: the target had not finished
                 unfinished.add(index)
                 open_.discard(index)
     regenerated = [
         Conversation(conv.id, tuple((m["role"], m["content"]) for m in history), unfinished=index in unfinished)
+        if history else None
         for index, (conv, history) in enumerate(zip(conversations, histories))
-        if history
     ]
-    return regenerated, RegenStats(answers, answer_tokens, time.perf_counter() - started)
+    return regenerated, [RegenStats(a, t) for a, t in zip(answers, answer_tokens)]
 
 
 class RegenerationWorker:
@@ -469,17 +515,25 @@ class TargetInfo:
     revision: str
     tokenizer: Any
     vocab_size: int
+    directory: Path
+    eos_token_ids: list[int]
 
 
 def describe_target(spec: str) -> TargetInfo:
-    """Name, revision, tokenizer and vocabulary size; raises ``UnknownTargetError`` / ``EagleError``."""
+    """Name, revision, tokenizer, vocabulary size, directory and stop ids; raises ``UnknownTargetError`` /
+    ``EagleError``."""
     directory, name, revision = resolve_target(spec)
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     adapter_for(config)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    return TargetInfo(spec, name, revision, tokenizer, int(config.vocab_size))
+    try:
+        generation = GenerationConfig.from_pretrained(directory, local_files_only=True)
+    except OSError:  # no generation_config.json: the model config and tokenizer say it
+        generation = None
+    eos = stop_token_ids(generation, config, tokenizer)
+    return TargetInfo(spec, name, revision, tokenizer, int(config.vocab_size), Path(directory), eos)
 
 
 def existing_manifest(storage: Storage, identity: str, settings: dict[str, Any], revision: str) -> dict | None:
@@ -551,7 +605,11 @@ def prepare(
         records = write_shard(storage, shard, done, target.tokenizer, config, identity, stats)
         logger.debug("wrote %s: %d records", storage.url(shard.rel), records)
 
-    if todo and config.regenerate:
+    if todo and config.regenerate and config.regen_engine == "vllm":
+        from jobs.regen_llm import regenerate_shards_on_vllm
+
+        regenerate_shards_on_vllm(todo, on_done, target=target, dtype=regen_dtype, config=config, progress=progress)
+    elif todo and config.regenerate:
         regenerate_shards(todo, on_done, target_spec=preset.target, dtype=regen_dtype, config=config, progress=progress)
     elif todo:
         tokenize_shards(todo, on_done, progress=progress)
@@ -610,6 +668,11 @@ _DATA_FLAGS = {  # flag -> (DataConfig field, type)
     "--regen-workers": ("regen_workers", int),
     "--regen-turns": ("regen_turns", int),
     "--regen-gpus": ("regen_gpus", float),
+    "--regen-tensor-parallel": ("regen_tensor_parallel", int),
+    "--regen-endpoint": ("regen_endpoint", str),
+    "--regen-vllm-cpus": ("regen_vllm_cpus", int),
+    "--regen-vllm-python": ("regen_vllm_python", str),
+    "--regen-group-shards": ("regen_group_shards", int),
 }
 
 

@@ -37,10 +37,19 @@ class DataConfig:
     regen_temperature: float = 0.0  # 0 = greedy regeneration
     regen_max_new_tokens: int = 512
     regen_batch_size: int = 32  # prompts per batched generate call (eagle: answers decoding at once)
-    regen_engine: str = "hf"  # hf: HF generate in length-sorted batches; eagle: this engine's continuous batching
-    regen_workers: int = 1  # Ray workers generating in parallel
+    # hf: HF generate in length-sorted batches; eagle: this engine's continuous batching (both on Ray actors);
+    # vllm: vLLM through Ray Data LLM (jobs/regen_llm.py): GPU engine replicas, or the server at regen_endpoint
+    regen_engine: str = "hf"
+    regen_workers: int = 1  # Ray workers generating in parallel (vllm: engine replicas, or HTTP clients of regen_endpoint)
     regen_turns: int = 1  # user turns kept (and answered) per conversation when regenerating
-    regen_gpus: float = 0  # GPUs per regeneration worker; > 0: each worker's target runs on its GPU
+    regen_gpus: float = 0  # hf / eagle: GPUs per regeneration worker; > 0: each worker's target runs on its GPU
+    regen_tensor_parallel: int = 1  # vllm: GPUs per engine replica (tensor parallel)
+    regen_endpoint: str | None = None  # vllm: base URL of an OpenAI-compatible vLLM server already serving the target
+    regen_vllm_cpus: int = 0  # vllm: 0 = replicas on GPUs; N > 0 = replicas on N CPU cores each (vLLM's CPU build)
+    regen_vllm_python: str | None = None  # vllm: the replicas' Python (a venv with vLLM and this Ray) instead of pip
+    # vllm: shards per Ray Data pass (0 = all pending shards in one pass per turn). Each pass starts the replicas
+    # anew (a model load); a group's shards are written when it ends, so a smaller group loses less to a kill
+    regen_group_shards: int = 0
     shard_records: int = 256  # conversations per shard
     seed: int = 0
 
@@ -250,6 +259,8 @@ def cpu_long() -> Preset:
 def a100_7b() -> Preset:
     """A 7B LLaMA-class target (h=4096, 32 layers, vocab 32k-128k) on one 8 x A100-80GB node.
 
+    Regeneration: 8 vLLM replicas of one GPU each through Ray Data LLM (14 GB of weights per GPU).
+
     Features: 8 ranks x ZeRO-3 -> 14 GB / 8 = 1.75 GB of weights per GPU + one gathered layer (0.4 GB);
     32k-token forward batches need ~10 GB of activations: fits with room. Offline features: 68k
     conversations ~ 60M tokens x 4096 x 2 B = 0.5 TB (S3).
@@ -263,7 +274,8 @@ def a100_7b() -> Preset:
         description="7B target, 1 node x 8 A100-80GB",
         target="<hf-dir-of-a-7b-model>",
         dataset="sharegpt-68k",
-        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=64, regen_workers=8, shard_records=1000, regen_gpus=1),
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=64, regen_workers=8, shard_records=1000,
+                        regen_engine="vllm", regen_tensor_parallel=1, regen_group_shards=24),
         features=FeatureConfig(workers=8, zero_stage=3, use_gpu=True, batch_tokens=32768),
         train=TrainConfig(
             workers=8, use_gpu=True, zero_stage=2, batch_tokens=16384, grad_accum=2, lr=3e-5, warmup_steps=2000,
@@ -276,6 +288,8 @@ def a100_7b() -> Preset:
 def a100_13b() -> Preset:
     """A 13B target (h=5120, 40 layers) on one 8 x A100-80GB node.
 
+    Regeneration: 8 vLLM replicas of one GPU each through Ray Data LLM (26 GB of weights per GPU).
+
     Features: 26 GB of bf16 weights / 8 = 3.3 GB per GPU + a gathered layer (0.6 GB). Offline features:
     60M tokens x 5120 x 2 B = 0.6 TB. Head ~0.37B params x 16 B = 5.9 GB, ZeRO-2 over 8 -> ~1.4 GB
     per GPU; 16k-token micro batches with a 32k draft vocabulary: 2 GB of fp32 logits.
@@ -285,7 +299,8 @@ def a100_13b() -> Preset:
         description="13B target, 1 node x 8 A100-80GB",
         target="<hf-dir-of-a-13b-model>",
         dataset="sharegpt-68k",
-        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=48, regen_workers=8, shard_records=1000, regen_gpus=1),
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=48, regen_workers=8, shard_records=1000,
+                        regen_engine="vllm", regen_tensor_parallel=1, regen_group_shards=24),
         features=FeatureConfig(workers=8, zero_stage=3, use_gpu=True, batch_tokens=24576),
         train=TrainConfig(
             workers=8, use_gpu=True, zero_stage=2, batch_tokens=16384, grad_accum=2, lr=3e-5, warmup_steps=2000,
@@ -298,6 +313,8 @@ def a100_13b() -> Preset:
 def a100_33b() -> Preset:
     """A 33B target (h=6656, 60 layers) on two 8 x A100-80GB nodes, online features.
 
+    Regeneration: 8 vLLM replicas, each tensor parallel over 2 GPUs, through Ray Data LLM (33 GB per GPU).
+
     Frozen target: 66 GB bf16 / 16 ranks = 4.1 GB per GPU + a gathered layer (1 GB). A feature dump would
     be 60M x 6656 x 2 B = 0.8 TB, so the trainer computes features in the loop (``online``) from the
     ZeRO-3-sharded target: each step = one frozen forward (~2 x 33B x tokens FLOPs) + the head's.
@@ -309,7 +326,8 @@ def a100_33b() -> Preset:
         description="33B target, 2 nodes x 8 A100-80GB, online features",
         target="<hf-dir-of-a-33b-model>",
         dataset="sharegpt-68k",
-        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=32, regen_workers=16, shard_records=1000),
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=64, regen_workers=8, shard_records=1000,
+                        regen_engine="vllm", regen_tensor_parallel=2, regen_group_shards=24),
         features=FeatureConfig(workers=16, zero_stage=3, use_gpu=True, batch_tokens=16384),
         train=TrainConfig(
             workers=16, use_gpu=True, zero_stage=2, online=True, batch_tokens=8192, grad_accum=4, lr=3e-5,
@@ -321,6 +339,8 @@ def a100_33b() -> Preset:
 
 def a100_70b() -> Preset:
     """A 70B target (h=8192, 80 layers, GQA) on four 8 x A100-80GB nodes, online features.
+
+    Regeneration: 8 vLLM replicas, each tensor parallel over 4 GPUs, through Ray Data LLM (35 GB per GPU).
 
     Frozen target: 140 GB bf16 / 32 ranks = 4.4 GB per GPU + a gathered layer (1.7 GB) + the embedding and
     LM head kept whole for the head (2 x 32k x 8192 x 2 B = 1 GB); ZeRO-3 prefetch bucket ~2 layers. Head ~0.9B params (fc 134M + layer ~0.8B) x 16 B = 14 GB, ZeRO-2 over 32 ranks ->
@@ -334,7 +354,8 @@ def a100_70b() -> Preset:
         description="70B target, 4 nodes x 8 A100-80GB, online features",
         target="<hf-dir-of-a-70b-model>",
         dataset="sharegpt-68k",
-        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=16, regen_workers=32, shard_records=1000),
+        data=DataConfig(conversations=68000, max_length=2048, regenerate=True, regen_batch_size=64, regen_workers=8, shard_records=1000,
+                        regen_engine="vllm", regen_tensor_parallel=4, regen_group_shards=24),
         features=FeatureConfig(workers=32, zero_stage=3, use_gpu=True, batch_tokens=8192),
         train=TrainConfig(
             workers=32, use_gpu=True, zero_stage=2, online=True, batch_tokens=8192, grad_accum=4, lr=3e-5,

