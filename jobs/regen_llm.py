@@ -75,9 +75,10 @@ def sampling(config: DataConfig, budget: int, seed: int, stop_ids: Sequence[int]
 def normalize_answer(tokens: Sequence[int], budget: int, stop_ids: Sequence[int]) -> list[int]:
     """Answer ids ending with a stop id exactly when the target stopped (``prepare_data.Answerer``'s contract).
 
-    vLLM returns the stop token among the generated ids for the model's EOS and, by this vLLM's source,
-    for ``stop_token_ids`` too; should a build leave it out, an answer shorter than its budget still ended
-    by itself, and gets ``stop_ids[0]`` appended. An answer of ``budget`` ids without a stop id was cut.
+    vLLM keeps the stop token among the generated ids, for the model's EOS and for ``stop_token_ids`` alike
+    (vLLM 0.32, ``vllm/v1/core/sched/utils.py: check_stop`` tests the id already appended); should a build
+    leave it out, an answer shorter than its budget still ended by itself, and gets ``stop_ids[0]``
+    appended. An answer of ``budget`` ids without a stop id was cut.
     """
     tokens = [int(t) for t in tokens]
     if tokens and tokens[-1] in stop_ids:
