@@ -14,7 +14,8 @@ driven by one of Ray Data's LLM processors:
 - with ``regen_endpoint``: ``HttpRequestProcessorConfig`` against an OpenAI-compatible vLLM server that
   already serves the target (``/v1/completions`` with token-id prompts and ``return_token_ids``), from
   ``regen_workers`` Ray Data actors; each sends its batch's requests one after another, so ``regen_workers``
-  requests are in flight.
+  requests are in flight. The manifest records the job's regeneration dtype (bf16 by default) as the
+  answers' dtype: the server must run the target in it, which nothing here can check.
 
 tests/test_regen_llm.py runs both for real on CPU with SmolLM2: the engine processor with one CPU replica
 in ``infra/bench/peers.sh``'s vLLM venv, the HTTP processor against that venv's server
