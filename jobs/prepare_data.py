@@ -3,7 +3,8 @@
     python -m jobs.prepare_data --preset quick [--target smollm2-135m] [--dataset NAME] [--storage URI]
         [--conversations N] [--regenerate] [--regen-temperature T] [--regen-max-new-tokens N]
         [--regen-batch-size B] [--regen-workers W] [--max-length L] [--regen-engine hf|eagle|vllm]
-        [--regen-gpus G] [--regen-tensor-parallel T] [--regen-endpoint URL]
+        [--regen-gpus G] [--regen-tensor-parallel T] [--regen-endpoint URL] [--regen-vllm-cpus N]
+        [--regen-vllm-python PATH] [--regen-group-shards S]
 
 Owns: resolving the preset and its command-line overrides; loading and splitting ShareGPT (``eagle.data``);
 optionally *regenerating* the assistant answers with the target itself on Ray workers (or on vLLM through
