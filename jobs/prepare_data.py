@@ -168,6 +168,16 @@ def _sampling_kwargs(temperature: float) -> dict[str, Any]:
     return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
 
 
+def answer_budget(prompt_length: int, max_new_tokens: int, max_length: int | None) -> int:
+    """Answer tokens a prompt may get: ``max_new_tokens``, and no more than still fits under ``max_length``
+    after the prompt (tokens past it are cut when the conversation is tokenised), at least 1. Every
+    regeneration engine caps answers with it: HF ``generate`` once per batch (by its shortest prompt), the
+    batch decoder and vLLM per prompt."""
+    if max_length is None:
+        return max_new_tokens
+    return max(1, min(max_new_tokens, max_length - prompt_length))
+
+
 @torch.inference_mode()
 def generate_answers(
     target: Target,
@@ -212,7 +222,7 @@ def generate_answers(
             length = len(prompts[index])
             input_ids[row, width - length :] = torch.tensor(prompts[index], dtype=torch.long)
             attention_mask[row, width - length :] = 1
-        budget = max_new_tokens if max_length is None else max(1, min(max_new_tokens, max_length - len(prompts[batch[0]])))
+        budget = answer_budget(len(prompts[batch[0]]), max_new_tokens, max_length)  # batch[0]: the shortest prompt
         output = target.model.generate(
             input_ids=input_ids.to(target.device),
             attention_mask=attention_mask.to(target.device),
@@ -239,7 +249,7 @@ def _answers_by_batch_decoder(target: Target, prompts: list[list[int]], *, max_n
     sampling = SamplingConfig(temperature=temperature)  # no top-k / top-p: the target's own distribution
     requests = []
     for prompt in sorted(range(len(prompts)), key=lambda i: len(prompts[i])):
-        budget = min(max_new_tokens, decoder.room(len(prompts[prompt])))
+        budget = min(answer_budget(len(prompts[prompt]), max_new_tokens, max_length), decoder.room(len(prompts[prompt])))
         config = GenerationConfig(max_new_tokens=max(1, budget), sampling=sampling, seed=(seed * 1_000_003 + prompt) % (1 << 63))
         requests.append((prompt, decoder.submit(prompts[prompt], config)))
     decoder.run_until_done()

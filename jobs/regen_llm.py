@@ -54,11 +54,6 @@ HTTP_CLIENT_CPUS = 0.25  # a Ray Data HTTP actor waits on the server; it needs n
 VLLM_REQUIREMENT = "vllm==0.32.0"  # the version infra/bench/peers.sh benchmarks (its CPU build); tests check both agree
 
 
-def answer_budget(prompt_length: int, config: DataConfig) -> int:
-    """Answer tokens a prompt may get: ``regen_max_new_tokens``, and no more than fits under ``max_length``."""
-    return max(1, min(config.regen_max_new_tokens, config.max_length - prompt_length))
-
-
 def sampling(config: DataConfig, budget: int, seed: int, stop_ids: Sequence[int]) -> dict[str, Any]:
     """vLLM sampling parameters for one prompt: the target's own distribution, its stop ids, the budget."""
     return {
@@ -194,7 +189,7 @@ def regenerate_shards_on_vllm(todo, on_done, *, target, dtype: str, config: Data
     answer tokens). ``target`` is ``prepare_data.TargetInfo``: no weights load on the driver."""
     import ray
 
-    from jobs.prepare_data import RegenStats, answer_turns
+    from jobs.prepare_data import RegenStats, answer_budget, answer_turns
 
     init_ray()
     processor = build_answer_processor(config, str(target.directory), dtype, target.eos_token_ids)
@@ -209,7 +204,7 @@ def regenerate_shards_on_vllm(todo, on_done, *, target, dtype: str, config: Data
                 nonlocal passes
                 passes += 1
                 rows = [
-                    {"key": key, "prompt_ids": prompt, "budget": answer_budget(len(prompt), config),
+                    {"key": key, "prompt_ids": prompt, "budget": answer_budget(len(prompt), config.regen_max_new_tokens, config.max_length),
                      "seed": (seed * 1_000_003 + key) % (1 << 31)}
                     for key, prompt in enumerate(prompts)
                 ]

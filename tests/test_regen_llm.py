@@ -23,9 +23,9 @@ from eagle.data import Conversation, load_sharegpt, tokenize
 from eagle.errors import EagleError
 from eagle.target import materialize_builtin
 from jobs import layout
-from jobs.prepare_data import chat_prompt, content_settings, describe_target, main, prepare, validate
+from jobs.prepare_data import answer_budget, chat_prompt, content_settings, describe_target, main, prepare, validate
 from jobs.presets import DataConfig, get_preset
-from jobs.regen_llm import VLLM_REQUIREMENT, answer_budget, build_answer_processor, build_processor_config, normalize_answer, sampling
+from jobs.regen_llm import VLLM_REQUIREMENT, build_answer_processor, build_processor_config, normalize_answer, sampling
 from jobs.storage import Storage, unpack_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,9 @@ def test_an_answer_ends_with_a_stop_id_exactly_when_the_target_stopped():
 
 def test_budget_and_sampling_follow_the_data_settings():
     config = DataConfig(max_length=100, regen_max_new_tokens=30, regen_temperature=0.7, **VLLM)
-    assert answer_budget(10, config) == 30 and answer_budget(80, config) == 20 and answer_budget(99, config) == 1
+    budget = lambda prompt: answer_budget(prompt, config.regen_max_new_tokens, config.max_length)  # noqa: E731
+    assert budget(10) == 30 and budget(80) == 20 and budget(99) == 1
+    assert answer_budget(99, 30, None) == 30  # no max_length: the cap alone
     params = sampling(config, 20, seed=5, stop_ids=[2])
     # the target's own distribution: nothing a server's generation-config defaults could add stays on
     assert params == {"temperature": 0.7, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -194,7 +196,7 @@ def _check_against_the_server(root, preset, manifest, server: str) -> None:
             prompt = chat_prompt(tokenizer, messages)
             if len(prompt) >= config.max_length:
                 break
-            budget = answer_budget(len(prompt), config)
+            budget = answer_budget(len(prompt), config.regen_max_new_tokens, config.max_length)
             reply = httpx.post(server + "/v1/completions", timeout=120, json={
                 "prompt": prompt, "return_token_ids": True, "skip_special_tokens": False,
                 **sampling(config, budget, 0, target.eos_token_ids)}).json()["choices"][0]
