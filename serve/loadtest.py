@@ -93,6 +93,11 @@ async def run_level(base: str, model: str, prompts: list[str], concurrency: int,
         started = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - started
+    return summarize(model, concurrency, records, wall)
+
+
+def summarize(model: str, concurrency: int, records: list[dict[str, Any]], wall: float) -> dict[str, Any]:
+    """One cell of the table from its requests and the wall-clock seconds they took together."""
     ok = [r for r in records if r["status"] == 200 and r["error"] is None]
     latencies = [r["latency_s"] for r in ok]
     ttfts = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -110,6 +115,16 @@ async def run_level(base: str, model: str, prompts: list[str], concurrency: int,
     }
 
 
+def pool_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs of one cell (same model and concurrency) as one: every request pooled, tokens/s over the
+    summed wall-clock time; each round's tokens/s kept in ``tokens_per_s_rounds`` (their spread is the
+    run-to-run noise a single round would hide)."""
+    cell = summarize(rounds[0]["model"], rounds[0]["concurrency"], [r for level in rounds for r in level["records"]],
+                     sum(level["wall_s"] for level in rounds))
+    cell["tokens_per_s_rounds"] = [level["tokens_per_s"] for level in rounds]
+    return cell
+
+
 def _round(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -121,11 +136,16 @@ def table(levels: list[dict[str, Any]]) -> str:
     ]
     for level in levels:
         lines.append(
-            f"| {level['model']} | {level['concurrency']} | {level['ok']}/{level['requests']} | {level['tokens_per_s']} | "
+            f"| {level['model']} | {level['concurrency']} | {level['ok']}/{level['requests']} | {_throughput(level)} | "
             f"{level['requests_per_s']} | {level['latency_p50_s']} | {level['latency_p99_s']} | {level['ttft_p50_s']} | "
             f"{level['ttft_p99_s']} | {level['tau_mean'] if level['tau_mean'] is not None else '-'} |"
         )
     return "\n".join(lines)
+
+
+def _throughput(level: dict[str, Any]) -> str:
+    rounds = level.get("tokens_per_s_rounds")
+    return f"{level['tokens_per_s']}" + (f" ({' / '.join(str(r) for r in rounds)})" if rounds and len(rounds) > 1 else "")
 
 
 def plot(levels: list[dict[str, Any]], path: Path) -> None:

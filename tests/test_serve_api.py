@@ -410,6 +410,22 @@ def test_loadtest_percentiles():
     assert percentile([7.0], 0.99) == 7.0 and percentile([], 0.5) is None
 
 
+def test_loadtest_pools_rounds_of_a_cell():
+    from serve.loadtest import pool_rounds, summarize, table
+
+    def request(tokens, latency, status=200):
+        return {"status": status, "tokens": tokens, "tau": 2.0, "error": None, "latency_s": latency, "ttft_s": latency / 10}
+
+    first = summarize("m", 4, [request(100, 2.0), request(100, 4.0)], wall=4.0)  # 50 tok/s
+    second = summarize("m", 4, [request(100, 1.0), request(0, 9.0, status=503)], wall=1.0)  # 100 tok/s, one failed
+    cell = pool_rounds([first, second])
+    assert (cell["requests"], cell["ok"], cell["errors"], cell["tokens"]) == (4, 3, 1, 300)
+    assert cell["tokens_per_s"] == 60.0  # 300 tokens over 5 s: the summed walls, not the mean of 50 and 100
+    assert cell["tokens_per_s_rounds"] == [50.0, 100.0]
+    assert cell["latency_p50_s"] == 2.0  # the successful requests of both rounds
+    assert "| m | 4 | 3/4 | 60.0 (50.0 / 100.0) |" in table([cell])
+
+
 # ---- failover: resume in the pair, retry in the ingress -------------------------------------------------
 
 MEMO_PROMPTS = ["The capital of France is", "Once upon a time there"]

@@ -7,7 +7,8 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
 1. a private local Ray instance; ``serve.app.build_app`` with two pairs (``--replicas`` each, default one,
    bf16, compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
    (target + HEAD) and ``smollm2-135m``;
-2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level;
+2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level, ``--rounds``
+   times (A B B A ...; the rounds of a cell pooled, each round's tokens/s kept);
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
    the same levels against it; the server stopped;
 4. OUT/load.json (every request; with ``--cpu-seconds`` each level's CPU seconds per process) and OUT/load.md
@@ -35,7 +36,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from serve.loadtest import run_level, table  # noqa: E402
+from serve.loadtest import pool_rounds, run_level, table  # noqa: E402
 
 logger = logging.getLogger("serve_load")
 
@@ -90,21 +91,33 @@ def cpu_spent(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
 
 
 def levels_for(base: str, models: list[str], prompts: list[str], concurrency: list[int], max_tokens: int,
-               measure_cpu: bool = False) -> list[dict]:
-    """Each model at each concurrency; with ``measure_cpu`` each level also records ``cpu_s``: the CPU seconds
-    each process used during it (the 8 largest; only meaningful on a machine running nothing else)."""
+               measure_cpu: bool = False, rounds: int = 1) -> list[dict]:
+    """Each model at each concurrency, ``rounds`` times in a row with the models' order reversed every other
+    round (A B B A ...), pooled into one cell per model and concurrency (``serve.loadtest.pool_rounds``);
+    with ``measure_cpu`` each round also records ``cpu_s``: the CPU seconds each process used during it
+    (the 8 largest; only meaningful on a machine running nothing else)."""
     levels = []
     for c in concurrency:
+        runs: dict[str, list[dict]] = {model: [] for model in models}
+        for round_ in range(rounds):
+            for model in models if round_ % 2 == 0 else models[::-1]:
+                # one warm-up request per model and round keeps a cold first request out of the figures
+                asyncio.run(run_level(base, model, prompts[:1], 1, 8, 600))
+                before = cpu_seconds() if measure_cpu else {}
+                level = asyncio.run(run_level(base, model, prompts, c, max_tokens, 1200))
+                if measure_cpu:
+                    level["cpu_s"] = cpu_spent(before, cpu_seconds())
+                    logger.info("%s c=%d CPU seconds over %.1f s: %s", model, c, level["wall_s"], level["cpu_s"])
+                logger.info("%s c=%d round %d: %.1f tok/s, p50 %.2f s, %d errors", model, c, round_ + 1, level["tokens_per_s"] or 0,
+                            level["latency_p50_s"] or 0, level["errors"])
+                runs[model].append(level)
         for model in models:
-            # one warm-up request per model and level keeps a cold first request out of the figures
-            asyncio.run(run_level(base, model, prompts[:1], 1, 8, 600))
-            before = cpu_seconds() if measure_cpu else {}
-            level = asyncio.run(run_level(base, model, prompts, c, max_tokens, 1200))
-            if measure_cpu:
-                level["cpu_s"] = cpu_spent(before, cpu_seconds())
-                logger.info("%s c=%d CPU seconds over %.1f s: %s", model, c, level["wall_s"], level["cpu_s"])
-            logger.info("%s c=%d: %.1f tok/s, p50 %.2f s, %d errors", model, c, level["tokens_per_s"] or 0, level["latency_p50_s"] or 0, level["errors"])
-            levels.append(level)
+            if rounds == 1:
+                levels.append(runs[model][0])
+                continue
+            cell = pool_rounds(runs[model])
+            cell["rounds"] = [{k: v for k, v in level.items() if k != "records"} for level in runs[model]]
+            levels.append(cell)
     return levels
 
 
@@ -133,7 +146,7 @@ def ours(args, prompts: list[str]) -> list[dict]:
         time.sleep(5)
     logger.info("our pairs up in %.0f s", time.perf_counter() - started)
     try:
-        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds)
+        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -150,7 +163,7 @@ def vllm(args, prompts: list[str]) -> list[dict]:
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, 1800, process)
-        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds)
+        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 15)
@@ -168,6 +181,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: the pair's, all cores but one)")
     parser.add_argument("--replicas", type=int, default=1, help="replicas per pair (each decodes its own batch at --threads)")
     parser.add_argument("--batch-graphs", type=int, nargs="*", default=[], help="the pairs' batch_graphs (compiled plain steps per batch size)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of every cell, pooled (models alternate A B B A)")
     parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-ours", action="store_true", help="reuse OUT/load-ours.json from an earlier run")
@@ -192,7 +206,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
