@@ -344,9 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for noisy in ("transformers", "DeepSpeed", "urllib3", "matplotlib", "PIL"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if getattr(args, "threads", None):
-        import torch
+        from eagle.runtime import use_threads
 
-        torch.set_num_threads(args.threads)
+        use_threads(args.threads)
     from eagle.errors import EagleError
 
     try:

@@ -34,10 +34,9 @@ logger = logging.getLogger("jobs.evaluate")
 
 def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     """Runs on the Ray worker: load the pair, bench it, return the report."""
-    import torch
-
     from eagle.bench import load_prompts, run_bench
     from eagle.head import EagleHead
+    from eagle.runtime import use_threads
     from eagle.target import load_target
     from eagle.tree import build_tree
     from eagle.verify import SamplingConfig
@@ -46,7 +45,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     worker_env()
     setup_logging()
     if settings.get("threads"):
-        torch.set_num_threads(settings["threads"])
+        use_threads(settings["threads"])
     target = load_target(settings["target"], dtype=settings["dtype"], device=settings.get("device", "cpu"))
     head = EagleHead.from_pretrained(settings["head_dir"], target)
     prompts = load_prompts(limit=settings["prompts"])

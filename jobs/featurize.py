@@ -45,6 +45,7 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.head import default_aux_layers
+from eagle.runtime import use_threads
 from jobs import layout
 from eagle.target import cache_root
 from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
@@ -192,8 +193,7 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())  # DeepSpeed's CPU comm op compiles once, cached here
     setup_logging(config.get("verbose", False))
     rank, world = dist.get_rank(), dist.get_world_size()
-    threads = _worker_threads()
-    torch.set_num_threads(threads)
+    threads = use_threads(_worker_threads())
 
     device = torch.device("cpu")
     if config["use_gpu"]:

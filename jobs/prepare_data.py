@@ -47,6 +47,7 @@ from tqdm import tqdm
 
 from eagle.data import Conversation, TokenizedConversation, load_sharegpt, sharegpt_path, split, tokenize, tokenizer_fingerprint
 from eagle.errors import EagleError
+from eagle.runtime import use_threads
 from eagle.target import Target, adapter_for, load_target, resolve_target, stop_token_ids
 from jobs import layout
 from jobs.common import init_ray, job_parser, run_job, worker_env
@@ -347,7 +348,7 @@ class RegenerationWorker:
 
     def __init__(self, target_spec: str, dtype: str, config: DataConfig, threads: int) -> None:
         worker_env()
-        torch.set_num_threads(threads)
+        use_threads(threads)
         self.target = load_target(target_spec, dtype=dtype, device="cuda" if config.regen_gpus else "cpu")
         self.config = config
 

@@ -108,6 +108,7 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     from eagle.head import EagleHead
     from eagle.loss import LossConfig, rollout_metrics
+    from eagle.runtime import use_threads
     from eagle.target import load_target
     from eagle.train import build_optimizer, collate, compute_loss, lr_factor, token_budget_batches
     from jobs.common import setup_logging, worker_env
@@ -120,7 +121,7 @@ def _train_loop(config: dict[str, Any]) -> None:
     rank, world = context.get_world_rank(), context.get_world_size()
     threads = config.get("threads_per_worker")
     if threads:
-        torch.set_num_threads(threads)
+        use_threads(threads)
     device = torch.device("cuda", context.get_local_rank()) if train.use_gpu else torch.device("cpu")
     storage = Storage(config["dataset_uri"])
 
