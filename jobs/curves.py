@@ -3,8 +3,10 @@
     python -m jobs.curves --run-name smollm2-135m-sharegpt-quick-quick --out docs/bench/train_quick.png
 
 Panels: the loss and its parts, depth-1 top-1 accuracy on training batches, held-out per-depth top-1
-accuracy (``eval_acc_k``: P(depth k right | depths < k right)) and the simulated acceptance length of a
-chain (``eval_sim_tau``), all against the optimizer step.
+accuracy (``eval_acc_k``: P(depth k right | depths < k right)) against the optimizer step, and the simulated
+acceptance length of a chain (``eval_sim_tau``) against the training minutes (the optimizer steps' own
+time, ``train_minutes``; against the step when a run logged no minutes). The JSON beside the PNG holds the
+raw curves and ``tau_vs_minutes``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ def history(runs: Runs, run_id: str) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
+def tau_by_minutes(curves: dict[str, list]) -> list[tuple[float, float]]:
+    """(training minutes, held-out simulated tau) at every step that logged both, in step order; takes the
+    curves of ``history`` or the same read back from JSON."""
+    minutes = {int(step): value for step, value in curves.get("train_minutes", [])}
+    return [(minutes[int(step)], tau) for step, tau in curves.get("eval_sim_tau", []) if int(step) in minutes]
+
+
 def plot(curves: dict[str, list[tuple[int, float]]], out: Path, title: str) -> None:
     import matplotlib
 
@@ -52,12 +61,14 @@ def plot(curves: dict[str, list[tuple[int, float]]], out: Path, title: str) -> N
             axes[1].plot(steps, values, "-" if key.startswith("eval") else ":", marker="o" if key.startswith("eval") else None, ms=3, label=key)
     axes[1].set_title("top-1 accuracy (eval: per depth, given the earlier depths right)")
     axes[1].set_ylim(0, 1)
-    if "eval_sim_tau" in curves:
-        steps, values = zip(*curves["eval_sim_tau"])
-        axes[2].plot(steps, values, marker="o", ms=3, color="#d62728")
+    by_minutes = tau_by_minutes(curves)
+    if by_minutes or "eval_sim_tau" in curves:
+        axes[2].plot(*zip(*(by_minutes or curves["eval_sim_tau"])), marker="o", ms=3, color="#d62728")
     axes[2].set_title("held-out simulated acceptance length (chain, T=0)")
     for axis in axes:
         axis.set_xlabel("optimizer step")
+    if by_minutes:
+        axes[2].set_xlabel("training minutes (optimizer steps only)")
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
@@ -78,7 +89,7 @@ def _main(args: argparse.Namespace) -> int:
         raise EagleError(f"run {run_id} has no training metrics")
     out = Path(args.out)
     plot(curves, out, args.title or f"run {args.run_name or run_id}")
-    out.with_suffix(".json").write_text(json.dumps({"run_id": run_id, "curves": curves}, indent=1) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"run_id": run_id, "curves": curves, "tau_vs_minutes": tau_by_minutes(curves)}, indent=1) + "\n")
     sys.stdout.write(f"{out}\n")
     return 0
 

@@ -12,6 +12,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from jobs.curves import tau_by_minutes  # noqa: E402
+
 KINDS = ("eagle1", "eagle3")
 
 
@@ -24,8 +27,8 @@ def summarise(folder: Path) -> str:
     for kind in KINDS:
         curves = json.loads((folder / f"curves-{kind}.json").read_text())["curves"]
         bench = json.loads((folder / f"bench-{kind}-bf16.json").read_text())["aggregate"]
-        minutes, tau = _curve(curves, "train_minutes"), _curve(curves, "eval_sim_tau")
-        series[kind] = [(minutes[s], tau[s]) for s in sorted(tau) if s in minutes]
+        minutes = _curve(curves, "train_minutes")
+        series[kind] = tau_by_minutes(curves)
         steps = max(_curve(curves, "loss"), default=0)
         speed = _curve(curves, "train_tokens_per_s")
         methods = bench["methods"]
