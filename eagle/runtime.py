@@ -34,6 +34,28 @@ T = TypeVar("T")
 PACK_BATCH_HINT = 16
 
 
+def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this machine's CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` among the flags
+    of /proc/cpuinfo). Without either, PyTorch emulates bf16 matmuls: on a 2-core AMD EPYC with AVX2 only, a
+    [M, 576] x [576, 1536] matmul ran at ~16 GFLOPS in bf16 for every M, against 40-107 GFLOPS in float32 for
+    M >= 16 (docs/benchmarks.md section 12). Where the flags cannot be read (not Linux) it answers True."""
+    try:
+        with open(cpuinfo) as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
+    except OSError:
+        return True
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))
+
+
+def preferred_dtype(dtype: str, *, gpu: bool = False) -> str:
+    """``"auto"``: "bfloat16" on a GPU or a CPU that computes bf16 natively (``native_bf16``), else "float32";
+    any other name is returned as given. Jobs resolve it once, on the driver, before it enters a dataset's
+    or a run's identity, so what is recorded is the dtype that ran."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if gpu or native_bf16() else "float32"
+
+
 def available_cores() -> int:
     """Cores this process may run on (its CPU affinity where the OS has one)."""
     if hasattr(os, "sched_getaffinity"):

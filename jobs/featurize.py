@@ -45,7 +45,7 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.head import default_aux_layers
-from eagle.runtime import use_threads
+from eagle.runtime import preferred_dtype, use_threads
 from jobs import layout
 from eagle.target import cache_root
 from jobs.common import init_ray, job_parser, run_job, setup_logging, torch_extensions_dir
@@ -333,6 +333,7 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
 
     preset = get_preset(preset) if isinstance(preset, str) else preset
     cfg = preset.features
+    cfg = dataclasses.replace(cfg, dtype=preferred_dtype(cfg.dtype, gpu=cfg.use_gpu))  # "auto": the dtype that runs enters the identity
     if cfg.dtype not in DTYPES:
         raise EagleError(f"unknown feature dtype {cfg.dtype!r}: expected one of {', '.join(DTYPES)}")
     if cfg.zero_stage not in (0, 3):
@@ -483,7 +484,7 @@ def build_parser():
     parser = job_parser("jobs.featurize", "Frozen target -> feature shards (Ray Train workers, DeepSpeed ZeRO-3).")
     parser.add_argument("--workers", type=int, default=None, help="Ray workers (default: the preset's)")
     parser.add_argument("--aux-layers", action="store_true", default=None, help="also store EAGLE-3 low/mid/high hidden states")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="model and feature dtype (default: the preset's)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES) + ["auto"], default=None, help="model and feature dtype (default: the preset's; auto: bf16 on GPUs and CPUs that compute it natively, else float32)")
     parser.add_argument("--batch-tokens", type=int, default=None, help="padded tokens per forward (default: the preset's)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 from eagle.data import Conversation, TokenizedConversation, load_sharegpt, sharegpt_path, split, tokenize, tokenizer_fingerprint
 from eagle.errors import EagleError
-from eagle.runtime import use_threads
+from eagle.runtime import preferred_dtype, use_threads
 from eagle.target import Target, adapter_for, load_target, resolve_target, stop_token_ids
 from jobs import layout
 from jobs.common import init_ray, job_parser, run_job, worker_env
@@ -57,7 +57,9 @@ from jobs.storage import Storage, pack_records
 logger = logging.getLogger("jobs.prepare_data")
 
 SOURCE = "sharegpt"
-REGEN_DTYPE = "bfloat16"  # STACK.md: bf16 generate is ~35 % faster than fp32 on these CPUs
+# "auto" (eagle.runtime.preferred_dtype): bf16 on GPUs, on vLLM and on CPUs with native bf16 (there ~35 % faster
+# than fp32, STACK.md), float32 on CPUs without it (there bf16 regeneration ran 2.6x slower, docs/benchmarks.md s12)
+REGEN_DTYPE = "auto"
 # Settings that change how fast the data is made, never what is written: a rerun may change them freely.
 EXECUTION_ONLY = ("regen_workers", "regen_gpus", "regen_endpoint", "regen_vllm_python", "regen_group_shards")
 VLLM_ONLY = ("regen_tensor_parallel", "regen_vllm_cpus")  # content settings that only the vllm engine has
@@ -582,11 +584,14 @@ def prepare(
 ) -> dict[str, Any]:
     """Make (or finish, or find complete) the dataset ``preset.dataset`` of ``preset.target``; return its manifest.
 
-    ``sharegpt`` overrides the packaged ShareGPT V3 file; ``regen_dtype`` is the regeneration dtype (bf16 by
-    default; tests use float32 for exact greedy comparisons, STACK.md).
+    ``sharegpt`` overrides the packaged ShareGPT V3 file; ``regen_dtype`` is the regeneration dtype (``"auto"``
+    by default, resolved on this driver by ``REGEN_DTYPE``'s rule; tests use float32 for exact greedy
+    comparisons, STACK.md).
     """
     config = preset.data
     validate(config)
+    # vLLM chooses its own kernels: it keeps bf16, as before "auto" existed
+    regen_dtype = preferred_dtype(regen_dtype, gpu=config.regen_gpus > 0 or config.regen_engine == "vllm")
     root = Storage(storage_uri)  # a malformed URI fails here
     _, target_name, revision = resolve_target(preset.target)
     source = Path(sharegpt) if sharegpt is not None else sharegpt_path()

@@ -62,7 +62,7 @@ class FeatureConfig:
     zero_stage: int = 3
     use_gpu: bool = False
     batch_tokens: int = 4096  # padded tokens per forward pass
-    dtype: str = "bfloat16"  # model and stored-feature dtype
+    dtype: str = "bfloat16"  # model and stored-feature dtype; "auto": eagle.runtime.preferred_dtype on the driver
     aux_layers: bool = False  # also store EAGLE-3 low/mid/high hidden states
     # ZeRO-3 keeps parameters of fewer elements than this whole on every rank after their first fetch
     # (DeepSpeed's stage3_param_persistence_threshold; None = DeepSpeed's default, 1e5)
@@ -100,7 +100,9 @@ class TrainConfig:
     # so the head can be exported to them (``eaglectl head export``)
     fc_bias: bool = False
     input_norm: bool = False
-    autocast_bf16: bool = True  # bf16 compute, fp32 master weights
+    # bf16 compute, fp32 master weights; None: on GPUs and on CPUs with native bf16 (eagle.runtime.native_bf16),
+    # fp32 compute elsewhere (emulated bf16 matmuls ran ~6x slower than fp32 on an AVX2-only CPU); resolved on the driver
+    autocast_bf16: bool | None = None
     rollout_depth: int | None = None  # >1: also train on the head's own predictions (training-time test); eagle1 1, eagle3 7
     metrics_depth: int = 5  # per-depth top-1 accuracy and simulated acceptance on held-out records
     checkpoint_every: int = 100  # optimizer steps
@@ -160,7 +162,7 @@ def smoke() -> Preset:
         target="smollm2-135m",
         dataset="sharegpt-smoke",
         data=DataConfig(conversations=64, max_length=192, shard_records=32),
-        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=2048, dtype="bfloat16"),
+        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=2048, dtype="auto"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=2048, lr=2e-3, warmup_steps=2, epochs=1.0, max_steps=8,
             checkpoint_every=4, log_every=2, metrics_depth=2,
@@ -191,8 +193,9 @@ def quick() -> Preset:
     """SmolLM2-135M on this 2-core CPU in about 15 minutes end to end.
 
     400 ShareGPT conversations cut to 512 tokens (334 train records, 156k tokens, 114k of them assistant
-    tokens), features by 2 replicated workers in bf16 (ZeRO stage 0: a 0.27 GB target fits every worker, and
-    ZeRO-3's per-layer all-gathers only cost time here; the a100 presets partition), then 2 gloo workers
+    tokens), features by 2 replicated workers in bf16 where the CPU computes it natively, else fp32 (ZeRO
+    stage 0: a 0.27 GB target fits every worker, and ZeRO-3's per-layer all-gathers only cost time here; the
+    a100 presets partition), then 2 gloo workers
     train a 16k-draft-vocabulary head for 6.5 minutes at lr 2e-3 (STACK.md: lr 1e-3..2e-3 beats 3e-5 in
     short runs). Memory: the head is 4.3M params (~70 MB with AdamW state); nothing here is tight.
     """
@@ -202,7 +205,7 @@ def quick() -> Preset:
         target="smollm2-135m",
         dataset="sharegpt-quick",
         data=DataConfig(conversations=400, max_length=512, shard_records=100),
-        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=4096, dtype="bfloat16"),
+        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=4096, dtype="auto"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=20, epochs=20.0,
             max_minutes=6.5, checkpoint_every=20, log_every=5,
@@ -247,7 +250,7 @@ def cpu_long() -> Preset:
             regen_workers=1, shard_records=320,
             regen_engine="eagle",  # continuous batching: 1.77x HF generate's answer tok/s here (docs/benchmarks.md s10)
         ),
-        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="bfloat16"),
+        features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="auto"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=30, epochs=40.0,
             max_minutes=38.0, checkpoint_every=50, rollout_depth=2,

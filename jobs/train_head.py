@@ -365,6 +365,10 @@ def train(
     from eagle_platform.registry import Registry, with_retries
 
     target_spec = target_spec or preset.target
+    if preset.train.autocast_bf16 is None:  # resolved here, so the run's params record the precision that ran
+        from eagle.runtime import native_bf16
+
+        preset = preset.with_overrides(train={"autocast_bf16": preset.train.use_gpu or native_bf16()})
     storage, name, revision, manifests, aux_layers = _validate(preset, storage_uri, target_spec)
     run_name, lease = lease_run_name(run_name or f"{name}-{preset.dataset}-{preset.name}", explicit=run_name is not None)
     reg = Registry(tracking_uri)  # default: $MLFLOW_TRACKING_URI or the local stack

@@ -175,3 +175,21 @@ def test_a_request_allocates_its_caches_once_and_leaves_them_sized_for_its_budge
     result = decoder.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=60, stop_token_ids=[]))
     assert len(result.token_ids) == 60
     assert len(allocated) == 1 and 4 + 60 + decoder._scratch() <= allocated[0] <= 4 + 60 + decoder._scratch() + 64
+
+
+def test_auto_dtype_follows_the_cpus_bf16_flags(tmp_path):
+    from eagle.runtime import native_bf16, preferred_dtype
+
+    def cpuinfo(flags: str):
+        path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
+        path.write_text(f"processor\t: 0\nmodel name\t: test\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+        return str(path)
+
+    assert not native_bf16(cpuinfo("fpu sse2 avx avx2 fma"))  # AVX2 only: bf16 matmuls are emulated
+    assert not native_bf16(cpuinfo("avx2 avx512f avx512bw"))  # AVX-512 without its bf16 extension
+    assert native_bf16(cpuinfo("avx2 avx512f avx512_bf16"))
+    assert native_bf16(cpuinfo("avx2 amx_tile amx_bf16"))
+    assert native_bf16(str(tmp_path / "missing"))  # flags unreadable (not Linux): bf16, as before "auto" existed
+    assert preferred_dtype("float32") == "float32" and preferred_dtype("bfloat16") == "bfloat16"  # explicit wins
+    assert preferred_dtype("auto", gpu=True) == "bfloat16"
+    assert preferred_dtype("auto") == ("bfloat16" if native_bf16() else "float32")

@@ -15,6 +15,7 @@ import torch
 
 from eagle.data import is_eval, load_sharegpt, tokenize
 from eagle.errors import EagleError
+from eagle.runtime import native_bf16, preferred_dtype
 from jobs import layout
 from jobs.prepare_data import (
     generate_answers,
@@ -277,7 +278,8 @@ def test_prompts_that_leave_no_room_are_dropped(smollm2):
 def test_rerun_rewrites_only_the_missing_shard(tmp_path, ray_cluster, monkeypatch):
     preset = _preset(**REGEN)
     first = prepare(preset, str(tmp_path), progress=False)
-    assert first["regeneration"]["dtype"] == "bfloat16"
+    # the default "auto" resolved on this driver: the dtype that ran is what the manifest and identity record
+    assert first["regeneration"]["dtype"] == preferred_dtype("auto") == ("bfloat16" if native_bf16() else "float32")
     data = _data(tmp_path)
     names = data.list("train")
     assert len(names) >= 2

@@ -20,6 +20,7 @@ import pytest
 from mlflow import MlflowClient
 
 from eagle.head import EagleHead
+from eagle.runtime import native_bf16
 from jobs import layout
 from jobs.presets import get_preset
 from tests.feature_data import write_feature_dataset
@@ -143,6 +144,8 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert configured > 0 and run.data.params["train.zero_stage"] == str(configured)  # 0 is also what "no ZeRO" reads
     assert run.data.tags["deepspeed.zero_stage"] == str(configured)
     assert run.data.tags["deepspeed.optimizer"] == ("DeepSpeedZeroOptimizer_Stage3" if configured == 3 else "DeepSpeedZeroOptimizer")
+    # the preset leaves the precision to the machine: the run records the one that ran
+    assert get_preset("quick").train.autocast_bf16 is None and run.data.params["train.autocast_bf16"] == str(native_bf16())
 
     # registered beside its target, alias candidate, loadable as a head of that target
     version = client.get_model_version_by_alias("smollm2-135m-eagle", "candidate")
