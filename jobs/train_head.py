@@ -240,7 +240,8 @@ def _train_loop(config: dict[str, Any]) -> None:
         for index, batch_ids in enumerate(plan[skip:], start=skip):
             if index % train.grad_accum == 0:
                 started = time.perf_counter()  # the optimizer step's first micro batch
-            batch = features_of(collate([records[i] for i in batch_ids])).to(device)
+            # bf16-stored features feed an fp32 head as fp32 when it computes without autocast (CPUs without native bf16)
+            batch = features_of(collate([records[i] for i in batch_ids])).to(device, None if train.autocast_bf16 else torch.float32)
             lr = set_lr()
             loss, metrics = compute_loss(engine.module, batch, loss_config, autocast_bf16=train.autocast_bf16)
             engine.backward(loss)
