@@ -10,6 +10,7 @@ Does not own: the decode loop (``generate.py``) or compile settings (``compile.p
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from typing import Any, Callable, TypeVar
@@ -38,7 +39,11 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this machine's CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` among the flags
     of /proc/cpuinfo). Without either, PyTorch emulates bf16 matmuls: on a 2-core AMD EPYC with AVX2 only, a
     [M, 576] x [576, 1536] matmul ran at ~16 GFLOPS in bf16 for every M, against 40-107 GFLOPS in float32 for
-    M >= 16 (docs/benchmarks.md section 12). Where the flags cannot be read (not Linux) it answers True."""
+    M >= 16 (docs/benchmarks.md section 12). Where the flags cannot be read (not Linux) it answers True.
+    ``EAGLE_NATIVE_BF16=0`` (or ``1``) overrides the flags: the tests run the other kind of machine's path with it."""
+    override = os.environ.get("EAGLE_NATIVE_BF16")
+    if override in ("0", "1"):
+        return override == "1"
     try:
         with open(cpuinfo) as info:
             flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
@@ -259,8 +264,21 @@ class PackedLinear(nn.Module):
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether ``PackedLinear`` applies: a CPU bf16/fp16 weight and a oneDNN build of torch."""
-    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available()
+    """Whether ``PackedLinear`` applies: a CPU bf16/fp16 weight, a oneDNN build of torch and a CPU whose
+    oneDNN packs that dtype (bf16 needs AVX512BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU refuses it)."""
+    return weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float16) and _packs(weight.dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN prepacks linear weights of ``dtype``: tried once on a small weight."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), PACK_BATCH_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 _PACKED_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head", "fc")
