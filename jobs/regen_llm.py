@@ -17,8 +17,8 @@ driven by one of Ray Data's LLM processors:
   requests are in flight. The manifest records the job's regeneration dtype (bf16 by default) as the
   answers' dtype: the server must run the target in it, which nothing here can check.
 
-tests/test_regen_llm.py runs both for real on CPU with SmolLM2: the engine processor with one CPU replica
-in ``infra/bench/peers.sh``'s vLLM venv, the HTTP processor against that venv's server
+tests/test_regen_llm.py runs both for real on CPU with SmolLM2: the engine processor with one replica on
+every CPU of the Ray instance in ``infra/bench/peers.sh``'s vLLM venv, the HTTP processor against that venv's server
 (``peers.sh vllm-serve``). GPU replicas (``regen_vllm_cpus: 0``, the A100 presets) have not run.
 
 Both send the prompts the driver renders (``prepare_data.chat_prompt``, the target's chat template) as token
@@ -51,6 +51,10 @@ from jobs.presets import DataConfig
 logger = logging.getLogger("jobs.regen_llm")
 
 HTTP_CLIENT_CPUS = 0.25  # a Ray Data HTTP actor waits on the server; it needs no whole core
+# The pre/postprocess maps build one small dict per row and reserve no CPU: CPU replicas may hold every CPU of
+# the cluster (one 2-CPU replica on a 2-CPU Ray instance), and a map task that waits for a free CPU then never
+# runs (seen with Ray Data's default of 1 and with 0.25: Ray could place neither beside the replica).
+MAP_CPUS = 0
 VLLM_REQUIREMENT = "vllm==0.32.0"  # the version infra/bench/peers.sh benchmarks (its CPU build); tests check both agree
 
 
@@ -175,6 +179,8 @@ def build_answer_processor(config: DataConfig, model_dir: str, dtype: str, stop_
         processor_config,
         preprocess=lambda row: request(row, config, stop_ids),
         postprocess=lambda row: answer(row, stop_ids),
+        preprocess_map_kwargs={"num_cpus": MAP_CPUS},
+        postprocess_map_kwargs={"num_cpus": MAP_CPUS},
     )
 
 

@@ -232,14 +232,15 @@ def test_prepare_data_regenerates_through_ray_data_llm_on_vllm(tmp_path, vllm_se
 
 @pytest.mark.slow
 def test_prepare_data_regenerates_on_a_vllm_engine_replica_in_ray_data(tmp_path, vllm_server, ray_cluster, monkeypatch):
-    """Ray Data's vLLM engine processor with one replica on one CPU core (vLLM's CPU build, the Python of
-    peers.sh's venv), decoding four prompts at a time, all shards in one pass (one engine start, ~100 s):
-    its records are what the same vLLM serves."""
+    """Ray Data's vLLM engine processor with one replica on both CPUs of the 2-CPU Ray instance (vLLM's CPU
+    build, the Python of peers.sh's venv), decoding four prompts at a time, all shards in one pass (one
+    engine start, ~100 s): the pre/postprocess maps still schedule beside a replica that holds every whole
+    CPU (with Ray Data's 1-CPU default they never did), and its records are what the same vLLM serves."""
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; passed on to the replica (VLLM_CPU_*)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     python = subprocess.run([str(REPO / "infra/bench/peers.sh"), "vllm-python"], capture_output=True, text=True,
                             check=True).stdout.strip()
-    preset = _preset(conversations=6, regen_batch_size=4, regen_workers=1, regen_vllm_cpus=1, regen_vllm_python=python)
+    preset = _preset(conversations=6, regen_batch_size=4, regen_workers=1, regen_vllm_cpus=2, regen_vllm_python=python)
     manifest = prepare(preset, str(tmp_path), regen_dtype="float32", progress=False)
-    assert manifest["config"]["regen_vllm_cpus"] == 1 and manifest["regeneration"]["answer_tokens"] > 0
+    assert manifest["config"]["regen_vllm_cpus"] == 2 and manifest["regeneration"]["answer_tokens"] > 0
     _check_against_the_server(tmp_path, preset, manifest, vllm_server)
