@@ -5,7 +5,7 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
     .venv/bin/python infra/bench/serve_load.py --head HEAD [--concurrency 1 4 8 16] [--out docs/bench/serve]
 
 1. a private local Ray instance; ``serve.app.build_app`` with two pairs (``--replicas`` each, default one,
-   bf16, compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
+   ``--dtype`` (bf16 by default; vLLM gets the same), compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
    (target + HEAD) and ``smollm2-135m``;
 2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level, ``--rounds``
    times (A B B A ...; the rounds of a cell pooled, each round's tokens/s kept);
@@ -128,7 +128,7 @@ def ours(args, prompts: list[str]) -> list[dict]:
     from jobs.common import init_ray
     from serve.app import build_app
     port = free_port()
-    common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threads": args.threads, "num_cpus": 0.5,
+    common = {"target": "smollm2-135m", "dtype": args.dtype, "compile": "on", "threads": args.threads, "num_cpus": 0.5,
               "max_batch_size": args.max_batch, "batch_graphs": args.batch_graphs, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
               "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas}}
     pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
@@ -159,7 +159,7 @@ def vllm(args, prompts: list[str]) -> list[dict]:
     port = free_port()
     log = open(Path(args.out) / "vllm-serve.log", "w")
     process = subprocess.Popen([str(REPO / "infra/bench/peers.sh"), "vllm-serve", str(model_dir), str(port), str(args.max_batch)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, VLLM_DTYPE=args.dtype))
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, 1800, process)
@@ -174,6 +174,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head", required=True, help="a head directory (or models:/<target>-eagle@<alias> with MLFLOW_TRACKING_URI set)")
     parser.add_argument("--tree", default="dynamic")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="our pairs' and vLLM's dtype")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
@@ -206,7 +207,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": "bfloat16", "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": args.dtype, "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
