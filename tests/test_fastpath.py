@@ -177,8 +177,10 @@ def test_a_request_allocates_its_caches_once_and_leaves_them_sized_for_its_budge
     assert len(allocated) == 1 and 4 + 60 + decoder._scratch() <= allocated[0] <= 4 + 60 + decoder._scratch() + 64
 
 
-def test_auto_dtype_follows_the_cpus_bf16_flags(tmp_path):
+def test_auto_dtype_follows_the_cpus_bf16_flags(tmp_path, monkeypatch):
     from eagle.runtime import native_bf16, preferred_dtype
+
+    monkeypatch.delenv("EAGLE_NATIVE_BF16", raising=False)
 
     def cpuinfo(flags: str):
         path = tmp_path / f"cpuinfo-{len(list(tmp_path.iterdir()))}"
@@ -193,3 +195,7 @@ def test_auto_dtype_follows_the_cpus_bf16_flags(tmp_path):
     assert preferred_dtype("float32") == "float32" and preferred_dtype("bfloat16") == "bfloat16"  # explicit wins
     assert preferred_dtype("auto", gpu=True) == "bfloat16"
     assert preferred_dtype("auto") == ("bfloat16" if native_bf16() else "float32")
+    monkeypatch.setenv("EAGLE_NATIVE_BF16", "0")  # the override the tests use to run an AVX2 CPU's path
+    assert not native_bf16(cpuinfo("avx2 amx_tile amx_bf16")) and preferred_dtype("auto") == "float32"
+    monkeypatch.setenv("EAGLE_NATIVE_BF16", "1")
+    assert native_bf16(cpuinfo("fpu sse2 avx avx2 fma")) and preferred_dtype("auto") == "bfloat16"
