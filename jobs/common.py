@@ -15,8 +15,6 @@ from typing import Callable, Sequence
 
 from eagle.errors import EagleError
 from eagle.target import cache_root
-from eagle_platform.ray_token import ensure_token
-from eagle_platform.registry import RegistryError
 
 logger = logging.getLogger("jobs")
 
@@ -88,6 +86,9 @@ def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = N
 
     # A new local instance runs in token mode; left to itself Ray would write a world-readable token to
     # ~/.ray/auth_token on a machine that has none (eagle_platform.ray_token says why and where instead).
+    from eagle_platform.ray_token import ensure_token  # here, not at the top: the jobs' plain functions (answer
+    # regeneration, features) import on a machine without the control plane (infra/gpu/smollm2_head.py)
+
     logger.info(ensure_token().describe())
     port = _free_port()
     address = f"{get_node_ip_address()}:{port}"
@@ -134,6 +135,8 @@ def worker_env() -> None:
 def run_job(name: str, main: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> int:
     """Parse, set up logging and run ``main``; an ``EagleError`` or ``RegistryError`` (bad input, an unreachable
     tracking server) becomes one line and exit code 2."""
+    from eagle_platform.registry import RegistryError
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = parser.parse_args(argv)

@@ -56,7 +56,6 @@ import signal
 import sys
 import time
 import traceback
-import types
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -213,52 +212,6 @@ def check_transformers() -> None:
         )
 
 
-def import_prepare_data() -> tuple[Any, list[str]]:
-    """``jobs.prepare_data`` (its regeneration functions are plain functions). It imports ``jobs.common``, whose
-    Ray / MLflow entry points import ``eagle_platform`` (and ``jobs.storage`` fsspec) at module level; where
-    those are missing (the GPU machine), stand-ins holding only the names imported there are installed. No
-    code here calls them."""
-    try:
-        return importlib.import_module("jobs.prepare_data"), []
-    except ImportError as err:
-        logger.info("jobs.prepare_data does not import as is (%s): installing stand-ins for its Ray/MLflow imports", err)
-    stubs = {
-        "eagle_platform.ray_token": {"ensure_token": _unavailable("eagle_platform.ray_token.ensure_token")},
-        "eagle_platform.registry": {"RegistryError": type("RegistryError", (Exception,), {})},
-        "fsspec": {},
-    }
-    installed = []
-    for name, attrs in stubs.items():
-        try:
-            importlib.import_module(name)
-            continue
-        except ImportError:
-            pass
-        parent, _, child = name.rpartition(".")
-        if parent and sys.modules.get(parent) is None:
-            try:
-                importlib.import_module(parent)
-            except ImportError:
-                package = types.ModuleType(parent)
-                package.__path__ = []  # type: ignore[attr-defined]
-                sys.modules[parent] = package
-                installed.append(parent)
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        sys.modules[name] = module
-        if parent:
-            setattr(sys.modules[parent], child, module)
-        installed.append(name)
-    return importlib.import_module("jobs.prepare_data"), installed
-
-
-def _unavailable(name: str):
-    def call(*args, **kwargs):
-        raise RuntimeError(f"{name} is a stand-in on this machine")
-
-    return call
-
-
 # --------------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------------
@@ -401,9 +354,9 @@ class Run:
         from jobs.presets import DataConfig
 
         args, target = self.args, self.target
-        prepare, stubs = import_prepare_data()
+        import jobs.prepare_data as prepare  # imports without Ray, MLflow or the control plane (jobs/common.py)
+
         info = self.summary.data.setdefault("regen", {})
-        info["jobs_prepare_data"] = "stand-ins for " + ", ".join(stubs) if stubs else "imported"
         manifest = json.loads((self.gpu_dir / "manifest.json").read_text())
         rows = [json.loads(line) for line in lzma.decompress((self.gpu_dir / manifest["prompts"]["file"]).read_bytes()).splitlines() if line]
         if args.max_length > manifest["prompts"]["max_length"]:
