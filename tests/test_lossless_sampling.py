@@ -108,7 +108,7 @@ def exact_joint(temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.nd
     prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=TOKENS - 1)))  # [V^3, 3], lexicographic
     ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], dim=1)
     with torch.no_grad():
-        logits = target.model(input_ids=ids).logits.double().numpy()  # [V^3, L + 3, V]
+        logits = target.model(input_ids=ids.to(target.device)).logits.double().cpu().numpy()  # [V^3, L + 3, V]
     n = len(PROMPT)
     joint = reference_probs(logits[0, n - 1], temperature, top_k, top_p)  # [V]: P(x_1)
     for t in range(1, TOKENS):
@@ -206,7 +206,8 @@ def test_the_engines_distribution_is_the_reference_one() -> None:
     noise here: a wrong temperature / top-k / top-p is caught exactly)."""
     target = _target()
     with torch.no_grad():
-        logits = target.model(input_ids=torch.tensor([PROMPT])).logits[0, -1].double()
+        # on the CPU, where the test compares (the target may run on a GPU: EAGLE_TEST_DEVICE, tests/tiny.py)
+        logits = target.model(input_ids=torch.tensor([PROMPT], device=target.device)).logits[0, -1].double().cpu()
     for sampling in (T1, TRUNCATED, SamplingConfig(temperature=0.5, top_p=0.6), SamplingConfig(temperature=1.3, top_k=2)):
         np.testing.assert_allclose(
             eagle.verify.processed_probs(logits, sampling).numpy(),
