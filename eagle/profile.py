@@ -20,7 +20,7 @@ import torch
 
 from eagle.compile import CompileConfig
 from eagle.head import EagleHead
-from eagle.runtime import head_runtime, step_inputs, target_runtime
+from eagle.runtime import cpuinfo_flags, head_runtime, step_inputs, target_runtime
 from eagle.target import Target, load_target
 
 logger = logging.getLogger(__name__)
@@ -46,12 +46,7 @@ def time_ms(fn: Callable[[], object], repeats: int, device: torch.device | None 
 
 def cpu_flags() -> list[str]:
     """The matrix-extension flags oneDNN uses (AMX, AVX-512 BF16), as /proc/cpuinfo reports them."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            flags = next((line.split(":", 1)[1].split() for line in handle if line.startswith("flags")), [])
-    except OSError:
-        return []
-    return sorted(f for f in flags if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx512_fp16", "avx2"))
+    return sorted(f for f in cpuinfo_flags() or () if f.startswith("amx") or f in ("avx512f", "avx512_bf16", "avx512_fp16", "avx2"))
 
 
 def machine() -> dict:

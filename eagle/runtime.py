@@ -35,6 +35,16 @@ T = TypeVar("T")
 PACK_BATCH_HINT = 16
 
 
+def cpuinfo_flags(cpuinfo: str = "/proc/cpuinfo") -> set[str] | None:
+    """The CPU flags /proc/cpuinfo lists (its first ``flags`` line); None where it cannot be read or has none."""
+    try:
+        with open(cpuinfo) as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
+    except OSError:
+        return None
+    return None if flags is None else set(flags)
+
+
 def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this machine's CPU computes in bfloat16 natively (``avx512_bf16`` or ``amx_bf16`` among the flags
     of /proc/cpuinfo). Without either, PyTorch emulates bf16 matmuls: on a 2-core AMD EPYC with AVX2 only, a
@@ -44,12 +54,8 @@ def native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     override = os.environ.get("EAGLE_NATIVE_BF16")
     if override in ("0", "1"):
         return override == "1"
-    try:
-        with open(cpuinfo) as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), None)
-    except OSError:
-        return True
-    return flags is None or bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    flags = cpuinfo_flags(cpuinfo)
+    return flags is None or bool({"avx512_bf16", "amx_bf16"} & flags)
 
 
 def preferred_dtype(dtype: str, *, gpu: bool = False) -> str:

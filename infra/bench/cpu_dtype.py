@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.data import load_sharegpt
+from eagle.profile import machine
 from eagle.runtime import native_bf16, preferred_dtype, use_threads
 from eagle.target import load_target
 from jobs.prepare_data import chat_prompt, generate_answers
@@ -44,15 +45,6 @@ def gemm_gflops(rows: int, dtype: torch.dtype, repeats: int = 20) -> float:
     return round(2 * rows * 576 * 1536 / seconds / 1e9, 1)
 
 
-def cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=48)
@@ -64,11 +56,10 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     threads = use_threads(args.threads)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)
     result = {
         "command": "infra/bench/cpu_dtype.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "machine": {"cpu": cpu, "flags": cpu_flags(), "cores": threads, "torch": torch.__version__,
-                    "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform()},
+        "machine": {**machine(), "threads": threads, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                    "platform": platform.platform()},
         "native_bf16": native_bf16(), "auto_dtype": preferred_dtype("auto"),
         "gemm_gflops": {name: {rows: gemm_gflops(rows, dtype) for rows in ROWS} for name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32))},
         "regeneration": {},
