@@ -86,11 +86,12 @@ def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = N
 
     # A new local instance runs in token mode; left to itself Ray would write a world-readable token to
     # ~/.ray/auth_token on a machine that has none (eagle_platform.ray_token says why and where instead).
+    from eagle_platform.ports import free_port
     from eagle_platform.ray_token import ensure_token  # here, not at the top: the jobs' plain functions (answer
     # regeneration, features) import on a machine without the control plane (infra/gpu/smollm2_head.py)
 
     logger.info(ensure_token().describe())
-    port = _free_port()
+    port = free_port()
     address = f"{get_node_ip_address()}:{port}"
     env = {
         "env_vars": {
@@ -102,7 +103,7 @@ def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = N
     os.environ["RAY_GCS_SERVER_PORT"] = str(port)
     try:
         ray.init(
-            address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=_free_port(),
+            address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
             runtime_env=env, log_to_driver=True,
             **({"_metrics_export_port": metrics_export_port} if metrics_export_port else {}),
         )
@@ -114,14 +115,6 @@ def init_ray(num_cpus: int | None = None, *, metrics_export_port: int | None = N
     actual = ray.get_runtime_context().gcs_address
     if actual != address:  # pragma: no cover - the port was taken in between
         logger.warning("local Ray started at %s, not %s: its internal actors may address another cluster", actual, address)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_env() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +17,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from eagle_platform.ports import free_port  # noqa: F401  (re-exported: the tests import it from here)
+
 STARTUP_TIMEOUT_S = 90.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def health_ok(uri: str, timeout: float = 1.0) -> bool:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle_platform.ports import free_port
 from env_helpers import temporary_env
 from jobs import layout
 from jobs.storage import Storage, StorageError, pack_records, unpack_records
@@ -132,12 +133,6 @@ def test_invalid_json_is_a_storage_error(tmp_path):
 # ---- S3 through moto_server --------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing"}
 
 
@@ -147,7 +142,7 @@ def s3_endpoint(tmp_path_factory):
     executable = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
     if not Path(executable).exists():
         pytest.skip("moto[server] is not installed (pip install -c constraints.txt 'moto[server]')")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     with log.open("wb") as handle:
         process = subprocess.Popen([executable, "-H", "127.0.0.1", "-p", str(port)], stdout=handle, stderr=subprocess.STDOUT)

@@ -36,17 +36,10 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from eagle_platform.ports import free_port  # noqa: E402
 from serve.loadtest import pool_rounds, run_level, table  # noqa: E402
 
 logger = logging.getLogger("serve_load")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(base: str, timeout_s: float, process: subprocess.Popen | None = None) -> None:

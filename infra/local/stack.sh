@@ -81,19 +81,8 @@ with socket.socket() as s:
 PY
 }
 
-free_port() {  # free_port [PREFERRED]: PREFERRED when nothing listens there, else a free port
-    "$PYTHON" - "${1:-0}" <<'PY'
-import socket, sys
-def bindable(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return None
-        return s.getsockname()[1]
-preferred = int(sys.argv[1])
-print((preferred and bindable(preferred)) or bindable(0))
-PY
+free_port() {  # free_port [PREFERRED]: PREFERRED when nothing listens there, else a free port (eagle_platform.ports)
+    "$PYTHON" -m eagle_platform.ports "${1:-0}"
 }
 
 http_status() {  # http_status URL [TOKEN]: the HTTP status code, 000 when nothing answers
