@@ -99,197 +99,277 @@ def _draft_vocab(storage, target, size: int | None):
     return draft_vocab_from_counts(counts, size, always=target.eos_token_ids)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerConfig:
+    """What every Ray Train worker receives (Ray pickles it to the workers as it is)."""
+
+    train: TrainConfig
+    target_spec: str
+    dataset_uri: str
+    deepspeed: dict[str, Any]
+    aux_layers: list[int] | None = None  # the target layers an EAGLE-3 head reads
+    run_id: str | None = None  # MLflow run rank 0 logs to (None: no tracking)
+    tracking_uri: str | None = None
+    threads_per_worker: int | None = None
+    eval_records: int = 16  # held-out records rank 0 evaluates on at each checkpoint
+
+
+@dataclasses.dataclass
+class Progress:
+    """Where a run stands: optimizer steps taken and their own time (start-up, checkpoints and evals
+    excluded). Saved beside each DeepSpeed checkpoint as ``train_state.json``; a resumed run starts here."""
+
+    step: int = 0
+    elapsed_s: float = 0.0
+
+    def to_json(self) -> str:
+        return json.dumps({"step": self.step, "elapsed_s": self.elapsed_s})
+
+    @classmethod
+    def from_json(cls, text: str) -> "Progress":
+        state = json.loads(text)
+        return cls(step=int(state["step"]), elapsed_s=float(state["elapsed_s"]))
+
+
+def learning_rate(train: TrainConfig, progress: Progress, total_steps: int) -> float:
+    """Warmup, then linear decay over the run's progress, the larger of steps/total and elapsed/deadline
+    (``max_minutes``), so a run cut by its deadline still ends at the low rate. A function of the progress
+    alone: a resumed run recomputes it from the checkpoint's step and elapsed time."""
+    from eagle.train import lr_factor
+
+    done = (progress.step - train.warmup_steps) / max(total_steps - train.warmup_steps, 1)
+    if train.max_minutes:
+        done = max(done, progress.elapsed_s / (train.max_minutes * 60.0))
+    return train.lr * lr_factor(progress.step, warmup=train.warmup_steps, progress=done)
+
+
 def _train_loop(config: dict[str, Any]) -> None:
-    """One Ray Train worker (runs on every rank)."""
-    import deepspeed
-    import ray.train
-    import torch
-    import torch.distributed as dist
+    """One Ray Train worker (runs on every rank): ``config["worker"]`` is its :class:`WorkerConfig`."""
+    _Worker(config["worker"]).run()
 
-    from eagle.head import EagleHead
-    from eagle.loss import LossConfig, rollout_metrics
-    from eagle.runtime import use_threads
-    from eagle.target import load_target
-    from eagle.train import build_optimizer, collate, compute_loss, lr_factor, token_budget_batches
-    from jobs.common import setup_logging, worker_env
-    from jobs.storage import Storage
 
-    worker_env()
-    setup_logging()
-    train = TrainConfig(**{**config["train"], "betas": tuple(config["train"]["betas"])})
-    context = ray.train.get_context()
-    rank, world = context.get_world_rank(), context.get_world_size()
-    threads = config.get("threads_per_worker")
-    if threads:
-        use_threads(threads)
-    device = torch.device("cuda", context.get_local_rank()) if train.use_gpu else torch.device("cpu")
-    storage = Storage(config["dataset_uri"])
+class _Worker:
+    """One rank's training: the frozen target, the head in its DeepSpeed engine, this rank's records, and
+    the loop. Every rank takes the same optimizer steps; rank 0 also evaluates, logs and saves the head."""
 
-    target_dtype = "bfloat16" if train.autocast_bf16 else "float32"
-    if train.online:  # the frozen target partitioned across the ranks (ZeRO-3); only its embedding and LM head whole
-        from jobs.frozen_target import load_sharded_target
+    def __init__(self, worker: WorkerConfig) -> None:
+        import deepspeed
+        import ray.train
+        import torch
+        import torch.distributed as dist
 
-        target = load_sharded_target(
-            config["target_spec"], target_dtype, device=device, persistence_threshold=train.target_persistence_threshold,
-            aux_layers=config.get("aux_layers"),
-        )
-    else:  # offline: features come from the shards; the head borrows the target's embedding and LM head
-        target = load_target(config["target_spec"], dtype=target_dtype, device=str(device))
-    target.model.requires_grad_(False)
-    draft_ids = _draft_vocab(storage, target, train.draft_vocab_size)
-    head = EagleHead.for_target(
-        target, seed=train.seed, draft_token_ids=draft_ids, fc_bias=train.fc_bias, input_norm=train.input_norm,
-        kind=train.head_kind, aux_layers=config.get("aux_layers"),
-    ).to(torch.float32)
+        from eagle.head import EagleHead
+        from eagle.loss import LossConfig
+        from eagle.runtime import use_threads
+        from eagle.target import load_target
+        from eagle.train import build_optimizer, token_budget_batches
+        from jobs.common import setup_logging, worker_env
+        from jobs.storage import Storage
 
-    stage = layout.DATA if train.online else layout.FEATURES
-    records = layout.load_records(storage, stage, "train", rank=rank, world=world)
-    # online: every rank runs the eval forward (ZeRO-3's gathers are collectives), rank 0 keeps the result
-    eval_records = layout.load_records(storage, stage, "eval")[: config.get("eval_records", 16)] if rank == 0 or train.online else []
-    lengths = [int(r["input_ids"].shape[0]) for r in records]
+        worker_env()
+        setup_logging()
+        self.config, self.train = worker, worker.train
+        train = self.train
+        context = ray.train.get_context()
+        self.rank, self.world = context.get_world_rank(), context.get_world_size()
+        if worker.threads_per_worker:
+            use_threads(worker.threads_per_worker)
+        self.device = torch.device("cuda", context.get_local_rank()) if train.use_gpu else torch.device("cpu")
+        storage = Storage(worker.dataset_uri)
 
-    # every rank must take the same number of optimizer steps: plan with the smallest per-rank epoch
-    per_epoch = torch.tensor([len(token_budget_batches(lengths, train.batch_tokens, seed=train.seed + rank, epoch=0))])
-    dist.all_reduce(per_epoch, op=dist.ReduceOp.MIN)
-    micro_per_epoch = int(per_epoch)
-    steps_per_epoch = max(1, micro_per_epoch // train.grad_accum)
-    total_steps = max(1, math.ceil(train.epochs * steps_per_epoch))
-    if train.max_steps is not None:
-        total_steps = min(total_steps, train.max_steps)
+        target_dtype = "bfloat16" if train.autocast_bf16 else "float32"
+        if train.online:  # the frozen target partitioned across the ranks (ZeRO-3); only its embedding and LM head whole
+            from jobs.frozen_target import load_sharded_target
 
-    optimizer = build_optimizer(head, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
-    engine, optimizer, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=config["deepspeed"], dist_init_required=False)
+            self.target = load_sharded_target(
+                worker.target_spec, target_dtype, device=self.device, persistence_threshold=train.target_persistence_threshold,
+                aux_layers=worker.aux_layers,
+            )
+        else:  # offline: features come from the shards; the head borrows the target's embedding and LM head
+            self.target = load_target(worker.target_spec, dtype=target_dtype, device=str(self.device))
+        self.target.model.requires_grad_(False)
+        head = EagleHead.for_target(
+            self.target, seed=train.seed, draft_token_ids=_draft_vocab(storage, self.target, train.draft_vocab_size),
+            fc_bias=train.fc_bias, input_norm=train.input_norm, kind=train.head_kind, aux_layers=worker.aux_layers,
+        ).to(torch.float32)
 
-    def set_lr() -> float:
-        """Warmup, then linear decay over the run's progress, the larger of steps/total and elapsed/deadline,
-        so a run cut by ``max_minutes`` still ends at the low rate. Stateless: a resumed run recomputes it from
-        the checkpoint's step and elapsed time."""
-        progress = (step - train.warmup_steps) / max(total_steps - train.warmup_steps, 1)
-        if deadline:
-            progress = max(progress, elapsed / deadline)
-        lr = train.lr * lr_factor(step, warmup=train.warmup_steps, progress=progress)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        return lr
+        stage = layout.DATA if train.online else layout.FEATURES
+        self.records = layout.load_records(storage, stage, "train", rank=self.rank, world=self.world)
+        self.lengths = [int(r["input_ids"].shape[0]) for r in self.records]
+        # every rank must take the same number of optimizer steps: plan with the smallest per-rank epoch
+        per_epoch = torch.tensor([len(token_budget_batches(self.lengths, train.batch_tokens, seed=train.seed + self.rank, epoch=0))])
+        dist.all_reduce(per_epoch, op=dist.ReduceOp.MIN)
+        self.steps_per_epoch = max(1, int(per_epoch) // train.grad_accum)
+        self.total_steps = max(1, math.ceil(train.epochs * self.steps_per_epoch))
+        if train.max_steps is not None:
+            self.total_steps = min(self.total_steps, train.max_steps)
 
-    deadline = None if train.max_minutes is None else train.max_minutes * 60.0
-    loss_config = LossConfig.for_kind(train.head_kind, w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
+        optimizer = build_optimizer(head, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=worker.deepspeed, dist_init_required=False)
+        self.loss_config = LossConfig.for_kind(train.head_kind, w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
+        self.progress = self._resume()
+        self.tracker = _Tracker(worker) if self.rank == 0 else None
+        # online: every rank runs the eval forward (ZeRO-3's gathers are collectives), rank 0 keeps the result
+        self.eval_batch = None
+        if self.rank == 0 or train.online:
+            eval_records = layout.load_records(storage, stage, "eval")[: worker.eval_records]
+            if eval_records:  # fixed records: their features once, up front
+                from eagle.train import collate
 
-    step, elapsed, resumed_from = 0, 0.0, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+                batch = self._features(collate(eval_records)).to(self.device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
+                self.eval_batch = batch if self.rank == 0 else None
+
+    def _resume(self) -> Progress:
+        import ray.train
+
+        checkpoint = ray.train.get_checkpoint()
+        if checkpoint is None:
+            return Progress()
         from jobs.checkpoints import install
 
-        install(engine)  # resume never unpickles code from the results folder (jobs/checkpoints.py)
+        install(self.engine)  # resume never unpickles code from the results folder (jobs/checkpoints.py)
         with checkpoint.as_directory() as directory:
-            engine.load_checkpoint(directory, tag=DS_TAG)
-            state = json.loads((Path(directory) / STATE_FILE).read_text())
-        step, elapsed, resumed_from = state["step"], state["elapsed_s"], state["step"]
-        logger.info("rank %d resumed from the checkpoint at step %d", rank, step)
+            self.engine.load_checkpoint(directory, tag=DS_TAG)
+            progress = Progress.from_json((Path(directory) / STATE_FILE).read_text())
+        logger.info("rank %d resumed from the checkpoint at step %d", self.rank, progress.step)
+        return progress
 
-    tracker = _Tracker(config) if rank == 0 else None
-    if tracker:  # what DeepSpeed runs, read from the engine (tags: a resumed run sets them again)
-        tracker.tag({"deepspeed.zero_stage": engine.zero_optimization_stage(), "deepspeed.optimizer": type(engine.optimizer).__name__})
-    if tracker and resumed_from:
-        tracker.log({"resumed_from_step": resumed_from}, step)
-    if rank == 0:
-        logger.info("training %d steps (%d per epoch) on %d workers, %d records on rank 0", total_steps, steps_per_epoch, world, len(records))
-
-    def features_of(batch):
-        if train.online:
-            batch.features, batch.aux_features = target.hidden(batch.input_ids.to(device))
+    def _features(self, batch):
+        if self.train.online:
+            batch.features, batch.aux_features = self.target.hidden(batch.input_ids.to(self.device))
         return batch
 
-    eval_batch = None
-    if eval_records:  # fixed records: their features once, up front (online: a forward on every rank)
-        eval_batch = features_of(collate(eval_records)).to(device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
-        if rank != 0:
-            eval_batch = None
+    def evaluate(self) -> dict[str, float]:
+        """Held-out per-depth acceptance against the target's own greedy choices (rank 0; ``{}`` elsewhere)."""
+        import torch
 
-    def evaluate() -> dict[str, float]:
-        if eval_batch is None:
+        from eagle.loss import rollout_metrics
+
+        batch, module = self.eval_batch, self.engine.module
+        if batch is None:
             return {}
-        engine.module.eval()
+        module.eval()
         with torch.no_grad():  # what greedy verification would accept: the target's own argmax, row by row
-            greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=train.autocast_bf16):
+            greedy = torch.stack([self.target.logits(row.to(self.target.dtype)).argmax(-1) for row in batch.features])
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.train.autocast_bf16):
             metrics = rollout_metrics(
-                engine.module, eval_batch.features, eval_batch.input_ids, eval_batch.loss_mask, train.metrics_depth, greedy=greedy,
-                inputs=eval_batch.aux_features,
+                module, batch.features, batch.input_ids, batch.loss_mask, self.train.metrics_depth, greedy=greedy, inputs=batch.aux_features,
             )
-        engine.module.train()
+        module.train()
         return {f"eval_{k}": v for k, v in metrics.items() if k != "positions"}
 
-    def save(final: bool) -> None:
+    def save(self, final: bool) -> None:
+        """All ranks write the DeepSpeed checkpoint; rank 0 adds the head, the progress and an evaluation."""
+        import ray.train
+
         with tempfile.TemporaryDirectory() as directory:
-            engine.save_checkpoint(directory, tag=DS_TAG)
-            metrics = {"step": step, "final": final, "train_minutes": elapsed / 60.0}
-            if rank == 0:
-                engine.module.save_pretrained(Path(directory) / HEAD_DIR)
-                (Path(directory) / STATE_FILE).write_text(json.dumps({"step": step, "elapsed_s": elapsed}))
-                metrics.update(evaluate())
-                tracker.log({k: v for k, v in metrics.items() if isinstance(v, float)}, step)
+            self.engine.save_checkpoint(directory, tag=DS_TAG)
+            metrics = {"step": self.progress.step, "final": final, "train_minutes": self.progress.elapsed_s / 60.0}
+            if self.rank == 0:
+                self.engine.module.save_pretrained(Path(directory) / HEAD_DIR)
+                (Path(directory) / STATE_FILE).write_text(self.progress.to_json())
+                metrics.update(self.evaluate())
+                self.tracker.log({k: v for k, v in metrics.items() if isinstance(v, float)}, self.progress.step)
             ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(directory))
 
-    engine.module.train()
-    window_tokens, window_start = 0, time.perf_counter()
-    epoch = step // steps_per_epoch
-    while step < total_steps:
-        plan = token_budget_batches(lengths, train.batch_tokens, seed=train.seed + rank, epoch=epoch)[: steps_per_epoch * train.grad_accum]
-        skip = (step - epoch * steps_per_epoch) * train.grad_accum  # resumed mid-epoch
-        for index, batch_ids in enumerate(plan[skip:], start=skip):
+    def _micro_batches(self):
+        """This rank's micro batches from the progress on, epoch after epoch: (index in its epoch, record ids)."""
+        from eagle.train import token_budget_batches
+
+        train = self.train
+        epoch = self.progress.step // self.steps_per_epoch
+        skip = (self.progress.step - epoch * self.steps_per_epoch) * train.grad_accum  # resumed mid-epoch
+        while True:
+            plan = token_budget_batches(self.lengths, train.batch_tokens, seed=train.seed + self.rank, epoch=epoch)
+            yield from enumerate(plan[: self.steps_per_epoch * train.grad_accum][skip:], start=skip)
+            epoch, skip = epoch + 1, 0
+
+    def _tag_resident_target(self) -> None:
+        """Online: what each rank holds of the target after real forwards (the ZeRO-3 partition)."""
+        import torch.distributed as dist
+
+        held: list[Any] = [None] * self.world
+        dist.all_gather_object(held, self.target.resident_numel())
+        if self.tracker:
+            self.tracker.tag({
+                "target.resident_numel_per_rank": json.dumps(held), "target.numel": self.target.numel(),
+                "target.borrowed_numel": self.target.borrowed_numel(),
+            })
+
+    def _deadline_reached(self) -> bool:
+        """True on every rank once any rank's elapsed time passes ``max_minutes`` (all stop at the same step)."""
+        import torch
+        import torch.distributed as dist
+
+        limit = self.train.max_minutes
+        stop = torch.tensor([1 if limit is not None and self.progress.elapsed_s >= limit * 60.0 else 0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        return bool(int(stop))
+
+    def run(self) -> None:
+        import torch
+
+        from eagle.train import collate, compute_loss
+
+        train, engine, progress = self.train, self.engine, self.progress
+        if self.tracker:  # what DeepSpeed runs, read from the engine (tags: a resumed run sets them again)
+            self.tracker.tag({"deepspeed.zero_stage": engine.zero_optimization_stage(), "deepspeed.optimizer": type(engine.optimizer).__name__})
+            if progress.step:
+                self.tracker.log({"resumed_from_step": progress.step}, progress.step)
+        if self.rank == 0:
+            logger.info(
+                "training %d steps (%d per epoch) on %d workers, %d records on rank 0",
+                self.total_steps, self.steps_per_epoch, self.world, len(self.records),
+            )
+        engine.module.train()
+        window_tokens, window_start = 0, time.perf_counter()
+        # bf16-stored features feed an fp32 head as fp32 when it computes without autocast (CPUs without native bf16)
+        batch_dtype = None if train.autocast_bf16 else torch.float32
+        micro_batches = self._micro_batches() if progress.step < self.total_steps else iter(())
+        for index, batch_ids in micro_batches:
             if index % train.grad_accum == 0:
                 started = time.perf_counter()  # the optimizer step's first micro batch
-            # bf16-stored features feed an fp32 head as fp32 when it computes without autocast (CPUs without native bf16)
-            batch = features_of(collate([records[i] for i in batch_ids])).to(device, None if train.autocast_bf16 else torch.float32)
-            lr = set_lr()
-            loss, metrics = compute_loss(engine.module, batch, loss_config, autocast_bf16=train.autocast_bf16)
+            batch = self._features(collate([self.records[i] for i in batch_ids])).to(self.device, batch_dtype)
+            lr = learning_rate(train, progress, self.total_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss, metrics = compute_loss(engine.module, batch, self.loss_config, autocast_bf16=train.autocast_bf16)
             engine.backward(loss)
             engine.step()
             window_tokens += int(batch.loss_mask.sum())
             if (index + 1) % train.grad_accum:
                 continue
-            step += 1
-            elapsed += time.perf_counter() - started
-            if step == 1 and train.online:  # what each rank holds of the target after real forwards
-                held: list[Any] = [None] * world
-                dist.all_gather_object(held, target.resident_numel())
-                if tracker:
-                    tracker.tag({
-                        "target.resident_numel_per_rank": json.dumps(held), "target.numel": target.numel(),
-                        "target.borrowed_numel": target.borrowed_numel(),
-                    })
-            stop = torch.tensor([1 if deadline is not None and elapsed >= deadline else 0])
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # all ranks stop at the same step
-            last = bool(int(stop)) or step >= total_steps
-            if tracker and (step % train.log_every == 0 or step == 1 or last):
+            progress.step += 1
+            progress.elapsed_s += time.perf_counter() - started
+            if progress.step == 1 and train.online:
+                self._tag_resident_target()
+            last = self._deadline_reached() or progress.step >= self.total_steps
+            if self.tracker and (progress.step % train.log_every == 0 or progress.step == 1 or last):
                 now = time.perf_counter()
                 metrics.update(
-                    lr=lr, epoch=step / steps_per_epoch, train_tokens_per_s=window_tokens * world / (now - window_start),
-                    train_minutes=elapsed / 60.0,  # the optimizer steps' own time (start-up, checkpoints and evals excluded)
+                    lr=lr, epoch=progress.step / self.steps_per_epoch, train_tokens_per_s=window_tokens * self.world / (now - window_start),
+                    train_minutes=progress.elapsed_s / 60.0,  # the optimizer steps' own time (start-up, checkpoints and evals excluded)
                 )
                 window_tokens, window_start = 0, now
-                tracker.log(metrics, step)
-                logger.info("step %d/%d loss %.4f acc_1 %.3f lr %.2e", step, total_steps, metrics["loss"], metrics["acc_1"], metrics["lr"])
+                self.tracker.log(metrics, progress.step)
+                logger.info("step %d/%d loss %.4f acc_1 %.3f lr %.2e", progress.step, self.total_steps, metrics["loss"], metrics["acc_1"], lr)
             if last:
-                total_steps = step
                 break
-            if step % train.checkpoint_every == 0:
-                save(final=False)
-        epoch += 1
-    save(final=True)
+            if progress.step % train.checkpoint_every == 0:
+                self.save(final=False)
+        self.save(final=True)
 
 
 class _Tracker:
     """Rank 0's MLflow logging (explicit run id; never the fluent API's global state)."""
 
-    def __init__(self, config: dict[str, Any]) -> None:
-        self.run_id = config.get("run_id")
+    def __init__(self, worker: WorkerConfig) -> None:
+        self.run_id = worker.run_id
         self.runs = None
         if self.run_id:
             from eagle_platform.registry import Runs
 
-            self.runs = Runs(config.get("tracking_uri"))
+            self.runs = Runs(worker.tracking_uri)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.runs is None:
@@ -394,19 +474,13 @@ def train(
         init_ray()
         cpus = int(ray.available_resources().get("CPU", 1)) if not preset.train.use_gpu else None
         workers = preset.train.workers
-        config = {
-            "train": asdict(preset.train),
-            "target_spec": target_spec,
-            "aux_layers": aux_layers,
-            "dataset_uri": storage.url(),
-            "deepspeed": ds_config,
-            "run_id": run_id,
-            "tracking_uri": runs.uri,
-            "threads_per_worker": max(1, cpus // workers) if cpus else None,
-        }
+        worker = WorkerConfig(
+            train=preset.train, target_spec=target_spec, dataset_uri=storage.url(), deepspeed=ds_config, aux_layers=aux_layers,
+            run_id=run_id, tracking_uri=runs.uri, threads_per_worker=max(1, cpus // workers) if cpus else None,
+        )
         trainer = TorchTrainer(
             _train_loop,
-            train_loop_config=config,
+            train_loop_config={"worker": worker},
             scaling_config=ray.train.ScalingConfig(num_workers=workers, use_gpu=preset.train.use_gpu),
             torch_config=TorchConfig(backend="nccl" if preset.train.use_gpu else "gloo"),
             run_config=ray.train.RunConfig(

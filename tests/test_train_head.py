@@ -7,6 +7,7 @@ checkpoint, registers the head beside its target, and that rerunning the same ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -272,3 +273,19 @@ def test_concurrent_jobs_of_one_preset_never_share_a_run_name(tmp_path):
     assert again == "tiny-sharegpt-quick"
     for lease in (second_lease, again_lease):
         lease.close()
+
+
+def test_the_learning_rate_follows_steps_or_the_deadline_whichever_is_further_and_survives_a_resume():
+    from jobs.train_head import Progress, learning_rate
+
+    train = get_preset("quick").with_overrides(train={"lr": 1e-3, "warmup_steps": 10, "max_minutes": 10.0}).train
+    assert learning_rate(train, Progress(0, 0.0), 110) == pytest.approx(1e-4)  # warmup: (0 + 1) / 10
+    assert learning_rate(train, Progress(10, 0.0), 110) == pytest.approx(1e-3)
+    by_steps = learning_rate(train, Progress(60, 60.0), 110)  # half the steps, a tenth of the deadline
+    assert by_steps == pytest.approx(1e-3 * (1 - 0.9 * 0.5))
+    assert learning_rate(train, Progress(60, 540.0), 110) == pytest.approx(1e-3 * (1 - 0.9 * 0.9))  # the deadline is further
+    assert learning_rate(train, Progress(60, 900.0), 110) == pytest.approx(1e-4)  # past it: the floor
+    untimed = dataclasses.replace(train, max_minutes=None)
+    assert learning_rate(untimed, Progress(60, 900.0), 110) == pytest.approx(by_steps)
+    saved = Progress(60, 540.0)
+    assert Progress.from_json(saved.to_json()) == saved
