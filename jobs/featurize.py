@@ -90,13 +90,34 @@ def batch_by_tokens(lengths: Sequence[int], batch_tokens: int) -> list[list[int]
     return batches
 
 
-def _expected_meta(config: dict) -> dict[str, str]:
+@dataclasses.dataclass(frozen=True)
+class FeatureJob:
+    """What the driver hands every featurize worker (Ray pickles it to them as it is)."""
+
+    hf_dir: str
+    dataset_uri: str
+    dtype: str
+    zero_stage: int
+    use_gpu: bool
+    batch_tokens: int
+    hidden_size: int
+    target_revision: str
+    data_manifest_sha256: str
+    aux_layers: list[int] | None = None  # the layers an EAGLE-3 head reads, stored beside the final features
+    persistence_threshold: int | None = None
+    progress: bool = False
+    verbose: bool = False
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # the driver's storage endpoint, caches, credentials
+    tasks: tuple[tuple[str, str], ...] = ()  # (split, shard) to compute, split across the ranks
+
+
+def _expected_meta(job: FeatureJob) -> dict[str, str]:
     return {
         "format": layout.FEATURES_FORMAT,
-        "target_revision": config["target_revision"],
-        "dtype": config["dtype"],
-        "aux_layers": json.dumps(list(config["aux_layers"] or [])),
-        "data_manifest_sha256": config["data_manifest_sha256"],
+        "target_revision": job.target_revision,
+        "dtype": job.dtype,
+        "aux_layers": json.dumps(list(job.aux_layers or [])),
+        "data_manifest_sha256": job.data_manifest_sha256,
     }
 
 
@@ -122,7 +143,7 @@ def _shard_is_current(storage: Storage, rel: str, expected: dict[str, str]) -> b
 class _ShardWork:
     """One data shard being featurized on this rank: its batches and the features filled in so far."""
 
-    def __init__(self, storage: Storage, split: str, name: str, config: dict) -> None:
+    def __init__(self, storage: Storage, split: str, name: str, job: FeatureJob) -> None:
         self.split, self.name = split, name
         data = storage.read_bytes(f"{layout.DATA}/{split}/{name}")
         from safetensors.torch import load as st_load
@@ -133,12 +154,11 @@ class _ShardWork:
         self.spans = list(zip(offsets[:-1], offsets[1:]))
         self.tokens = offsets[-1]
         lengths = [b - a for a, b in self.spans]
-        self.batches = batch_by_tokens(lengths, config["batch_tokens"])
+        self.batches = batch_by_tokens(lengths, job.batch_tokens)
         self.done = 0
-        hidden = config["hidden_size"]
-        dtype = DTYPES[config["dtype"]]
-        self.features = torch.empty(self.tokens, hidden, dtype=dtype)
-        self.aux = torch.empty(self.tokens, 3 * hidden, dtype=dtype) if config["aux_layers"] else None
+        dtype = DTYPES[job.dtype]
+        self.features = torch.empty(self.tokens, job.hidden_size, dtype=dtype)
+        self.aux = torch.empty(self.tokens, 3 * job.hidden_size, dtype=dtype) if job.aux_layers else None
 
     def batch(self, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
         records = self.batches[index]
@@ -158,7 +178,7 @@ class _ShardWork:
             if self.aux is not None:
                 self.aux[a:b] = aux[row, : b - a].to("cpu", self.aux.dtype)
 
-    def write(self, storage: Storage, config: dict) -> dict[str, Any]:
+    def write(self, storage: Storage, job: FeatureJob) -> dict[str, Any]:
         tensors = {
             "input_ids": self.tensors["input_ids"],
             "loss_mask": self.tensors["loss_mask"],
@@ -168,7 +188,7 @@ class _ShardWork:
         if self.aux is not None:
             tensors["aux_features"] = self.aux
         meta = dict(self.meta)
-        meta.update(_expected_meta(config))
+        meta.update(_expected_meta(job))
         meta.update({"records": str(len(self.spans)), "tokens": str(self.tokens), "source": f"{layout.DATA}/{self.split}/{self.name}"})
         storage.write_tensors(f"{layout.FEATURES}/{self.split}/{self.name}", tensors, metadata=meta)
         return {"split": self.split, "name": self.name, "records": len(self.spans), "tokens": self.tokens}
@@ -185,28 +205,27 @@ def _worker_threads() -> int:
 
 
 def featurize_worker(config: dict) -> dict[str, Any] | None:
-    """``train_loop_per_worker``: featurize this rank's share of ``config["tasks"]``; rank 0 returns the
-    gathered per-rank statistics (partition sizes, shards written, tokens, seconds)."""
+    """``train_loop_per_worker``: featurize this rank's share of ``config["job"].tasks`` (a :class:`FeatureJob`);
+    rank 0 returns the gathered per-rank statistics (partition sizes, shards written, tokens, seconds)."""
     import torch.distributed as dist
 
-    os.environ.update(config.get("env", {}))  # the driver's storage endpoint, caches (and local credentials)
+    job: FeatureJob = config["job"]
+    os.environ.update(job.env)  # the driver's storage endpoint, caches (and local credentials)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", torch_extensions_dir())  # DeepSpeed's CPU comm op compiles once, cached here
-    setup_logging(config.get("verbose", False))
+    setup_logging(job.verbose)
     rank, world = dist.get_rank(), dist.get_world_size()
     threads = use_threads(_worker_threads())
 
     device = torch.device("cpu")
-    if config["use_gpu"]:
+    if job.use_gpu:
         import ray.train.torch
 
         device = ray.train.torch.get_device()
         torch.cuda.set_device(device)
 
     started = time.perf_counter()
-    ds_config = zero3_config(config["dtype"], stage=config["zero_stage"], persistence_threshold=config.get("persistence_threshold"))
-    model = load_frozen_target_zero3(
-        config["hf_dir"], config["dtype"], ds_config, aux_layers=config["aux_layers"], device=device
-    )
+    ds_config = zero3_config(job.dtype, stage=job.zero_stage, persistence_threshold=job.persistence_threshold)
+    model = load_frozen_target_zero3(job.hf_dir, job.dtype, ds_config, aux_layers=job.aux_layers, device=device)
     root = model.module if hasattr(model, "module") else model
     local_numel, total_numel = partition_numel(root)
     load_seconds = time.perf_counter() - started
@@ -215,14 +234,14 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
         rank, world, load_seconds, local_numel, total_numel, threads, device,
     )
 
-    storage = Storage(config["dataset_uri"])
-    mine = config["tasks"][rank::world]
+    storage = Storage(job.dataset_uri)
+    mine = job.tasks[rank::world]
     flag = torch.zeros(1, dtype=torch.long, device=device)
     written: list[dict] = []
     tokens_done = 0
     forwards = dummy = 0
     pbar = None
-    if rank == 0 and config.get("progress"):
+    if rank == 0 and job.progress:
         from tqdm import tqdm
 
         pbar = tqdm(total=0, unit="tok", unit_scale=True, desc=f"features rank0/{world}", file=sys.stderr, mininterval=2.0)
@@ -235,12 +254,12 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
         while True:
             while work is None and queue:
                 split, name = queue.pop(0)
-                work = _ShardWork(storage, split, name, config)
+                work = _ShardWork(storage, split, name, job)
                 if pbar is not None:
                     pbar.total += work.tokens
                     pbar.refresh()
                 if not work.batches:  # only empty records: nothing to run
-                    written.append(work.write(storage, config))
+                    written.append(work.write(storage, job))
                     work = None
             flag.fill_(1 if work is not None else 0)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -260,7 +279,7 @@ def featurize_worker(config: dict) -> dict[str, Any] | None:
                 pbar.update(batch_real)
             work.done += 1
             if work.done == len(work.batches):
-                written.append(work.write(storage, config))
+                written.append(work.write(storage, job))
                 now = time.perf_counter()
                 if rank == 0 or now - last_log > 30:
                     logger.info(
@@ -354,14 +373,12 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
     # EAGLE-3 heads read these layers: stored when asked, or when the preset trains an eagle3 head
     aux = list(default_aux_layers(num_layers)) if cfg.aux_layers or preset.train.head_kind == "eagle3" else None
     splits = [s for s in layout.SPLITS if (data_manifest.get("splits") or {}).get(s) is not None]
-    config: dict[str, Any] = {
-        "hf_dir": str(hf_dir), "dataset_uri": dataset.url(), "dtype": cfg.dtype, "zero_stage": cfg.zero_stage,
-        "persistence_threshold": cfg.persistence_threshold,
-        "use_gpu": cfg.use_gpu, "batch_tokens": cfg.batch_tokens, "aux_layers": aux, "hidden_size": hidden_size,
-        "target_revision": revision, "data_manifest_sha256": data_sha, "progress": progress, "verbose": verbose,
-        "env": _forwarded_env(),
-    }
-    expected = _expected_meta(config)
+    job = FeatureJob(
+        hf_dir=str(hf_dir), dataset_uri=dataset.url(), dtype=cfg.dtype, zero_stage=cfg.zero_stage, use_gpu=cfg.use_gpu,
+        batch_tokens=cfg.batch_tokens, hidden_size=hidden_size, target_revision=revision, data_manifest_sha256=data_sha,
+        aux_layers=aux, persistence_threshold=cfg.persistence_threshold, progress=progress, verbose=verbose, env=_forwarded_env(),
+    )
+    expected = _expected_meta(job)
     all_shards = [(split, shard) for split in splits for shard in layout.shard_names(data_manifest, split)]
     pending = [
         (split, shard) for split, shard in all_shards
@@ -375,7 +392,7 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
     previous = dataset.read_json(f"{layout.FEATURES}/{layout.MANIFEST}") if dataset.exists(f"{layout.FEATURES}/{layout.MANIFEST}") else {}
     run_stats = None
     if pending:
-        run_stats = _run_workers(config, pending, cfg, name, preset.dataset)
+        run_stats = _run_workers(dataclasses.replace(job, tasks=tuple(pending)), cfg, name, preset.dataset)
 
     manifest = _build_manifest(
         dataset, splits, data_manifest, name=name, revision=revision, fingerprint=fingerprint, cfg=cfg,
@@ -391,7 +408,7 @@ def featurize(preset: Preset | str, storage_uri: str, *, target_spec: str | None
     return manifest
 
 
-def _run_workers(config: dict, pending: list[tuple[str, str]], cfg, name: str, dataset_name: str) -> dict:
+def _run_workers(job: FeatureJob, cfg, name: str, dataset_name: str) -> dict:
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -403,7 +420,7 @@ def _run_workers(config: dict, pending: list[tuple[str, str]], cfg, name: str, d
         scaling["resources_per_worker"] = {"CPU": max(1, cpus // cfg.workers)}
     trainer = TorchTrainer(
         featurize_worker,
-        train_loop_config={**config, "tasks": pending},
+        train_loop_config={"job": job},
         scaling_config=ScalingConfig(**scaling),
         torch_config=TorchConfig(backend="nccl" if cfg.use_gpu else "gloo"),
         # Ray Train's bookkeeping beside train_head's, under the project cache (its default is ~/ray_results)
