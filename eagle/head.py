@@ -337,10 +337,19 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary for the head's output ``[..., hidden]`` (``eagle3``: after
-        its final norm, through its own LM head)."""
-        if self.eagle3:
-            return torch.nn.functional.linear(self.norm(hidden), self.lm_head.weight).float()
-        return torch.nn.functional.linear(hidden, self._borrowed["lm_weight"]).float()
+        its final norm, through its own LM head): ``draft_weight @ draft_input(hidden)``."""
+        return torch.nn.functional.linear(self.draft_input(hidden), self.draft_weight).float()
+
+    def draft_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the draft LM head reads from the head's output: its final norm's output (``eagle3``) or the
+        output itself (``eagle1``, whose output is a target feature)."""
+        return self.norm(hidden) if self.eagle3 else hidden
+
+    @property
+    def draft_weight(self) -> torch.Tensor:
+        """The draft LM head ``[draft vocabulary, hidden]``: the head's own frozen rows (``eagle3``) or the
+        target's, borrowed (``eagle1``)."""
+        return self.lm_head.weight if self.eagle3 else self._borrowed["lm_weight"]
 
     def target_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Float32 logits of the target's LM head over the draft vocabulary for the target's final features

@@ -129,6 +129,72 @@ def _shift(x: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
+CE_CHUNK_ROWS = 128  # rows of logits alive at once in soft_cross_entropy (64-128 were fastest on a 2-core CPU)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Chunked soft cross-entropy through a linear layer, with the gradient computed in the forward.
+
+    For rows x_i, distributions p_i and z_i = W x_i: returns sum_i -sum_v p_iv log softmax(z_i)_v and
+    argmax_v z_i. The logits of ``CE_CHUNK_ROWS`` rows exist at a time; dL/dz = softmax(z) - p is turned into
+    dL/dx = (softmax(z) - p) W (and dL/dW when W trains) chunk by chunk, so the ``[rows, V]`` logits,
+    log-probabilities and their gradients are never held, and the elementwise passes over them run on
+    cache-sized blocks. The same idea as fused linear cross-entropy kernels (Liger-Kernel,
+    arXiv 2410.10989; Wijmans et al., "Cut Your Losses in Large-Vocabulary Language Models", arXiv
+    2411.09009), in plain torch. Under autocast the matmuls run in its dtype, the softmax in float32.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, p, rows, chunk):
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ctx.weight_dtype = weight.dtype
+        device = x.device.type
+        # the matmul dtype: autocast's when on (cast once here, not per chunk), else the weight's
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        with torch.autocast(device, enabled=False):
+            w = weight.to(dtype)
+            total = torch.zeros((), dtype=torch.float32, device=x.device)
+            argmax = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+            grad_x = torch.empty_like(x) if want_x else None
+            grad_w = torch.zeros_like(weight, dtype=torch.float32) if want_w else None
+            for start in range(0, x.shape[0], chunk):
+                xs = x[start : start + chunk].to(dtype)
+                z = torch.nn.functional.linear(xs, w).float()
+                argmax[start : start + chunk] = z.argmax(-1)
+                lse = torch.logsumexp(z, dim=-1, keepdim=True)
+                ps = p[rows[start : start + chunk]]
+                mass = ps.sum(-1, keepdim=True)  # 1 for a distribution
+                total += (lse * mass).sum() - (ps * z).sum()
+                if want_x or want_w:
+                    g = z.sub_(lse).exp_().mul_(mass).sub_(ps)  # dL/dz = softmax(z) * mass - p, in place of z
+                    if want_x:
+                        grad_x[start : start + chunk] = torch.matmul(g.to(dtype), w)
+                    if want_w:
+                        grad_w += torch.matmul(g.t(), xs.float())
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_argmax):
+        grad_x, grad_w = ctx.saved_tensors
+        return (
+            grad_x * grad_total.to(grad_x.dtype) if grad_x is not None else None,
+            grad_w.mul(grad_total).to(ctx.weight_dtype) if grad_w is not None else None,
+            None, None, None,
+        )
+
+
+def soft_cross_entropy(
+    x: torch.Tensor, weight: torch.Tensor, p: torch.Tensor, rows: torch.Tensor, *, chunk: int = CE_CHUNK_ROWS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i CE(p[rows[i]], softmax(weight @ x_i)), argmax_v (weight @ x_i))`` for ``x`` ``[N, h]``,
+    ``weight`` ``[V, h]``, ``p`` ``[R, V]`` (each row a distribution, or zero) indexed by ``rows`` ``[N]``:
+    the value and gradients of ``-(p[rows] * log_softmax(x @ weight.T)).sum()``, without the ``[N, V]``
+    tensors (:class:`_SoftCrossEntropy`)."""
+    return _SoftCrossEntropy.apply(x, weight, p, rows, chunk)
+
+
 def _reads(head: EagleHead, features: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor:
     """What the head reads from the target: the fused layers for an EAGLE-3 head, the final features for an
     EAGLE-1 head (which ignores fused layers a dataset may also hold)."""
@@ -157,8 +223,15 @@ def eagle_loss(
     """
     eagle3 = head.config.kind == "eagle3"
     predictions = rollout(head, _reads(head, features, inputs), tokens, config.depth, noise=config.noise)
-    with torch.no_grad():  # the target's distribution at every position, once: depth k reads it k + 1 positions on
-        target_p = torch.softmax(head.target_logits(features), dim=-1)  # [B, n, V] on the draft rows
+    # The LM-head logits dominate a step (infra/bench/train_step.py), so both distributions are computed only
+    # where the loss counts. Depth k's origin j reads p at f_{j+k+1} and counts when x_{j+k+2} is an assistant
+    # token: p is needed at t - 1 for every assistant token t, the same positions at every depth.
+    with torch.no_grad():
+        needed = torch.zeros_like(loss_mask, dtype=torch.bool)
+        needed[:, :-1] = loss_mask[:, 1:].bool()
+        row_of = torch.full(loss_mask.shape, -1, dtype=torch.long, device=loss_mask.device)
+        row_of[needed] = torch.arange(int(needed.sum()), device=loss_mask.device)
+        target_p = torch.softmax(head.target_logits(features[needed]), dim=-1)  # [rows, V] on the draft rows, once
     total = features.new_zeros((), dtype=torch.float32)
     metrics: dict[str, float] = {}
     weight_sum = 0.0
@@ -173,15 +246,14 @@ def eagle_loss(
         else:
             wanted = _shift(features, k + 1)  # f_{j+k+1}
             feature_loss = (F.smooth_l1_loss(predicted.float(), wanted.float(), reduction="none").mean(-1) * valid).sum() / count
-        p = _shift(target_p, k + 1)  # p(. | f_{j+k+1})
-        log_q = torch.log_softmax(head.draft_logits(predicted), dim=-1)
-        token_loss = (-(p * log_q).sum(-1) * valid).sum() / count
+        rows = _shift(row_of, k + 1)[valid]  # p(. | f_{j+k+1}) for the counted origins
+        cross_entropy, drafted = soft_cross_entropy(head.draft_input(predicted[valid]), head.draft_weight, target_p, rows)
+        token_loss = cross_entropy / count
         weight = config.depth_decay**k
         total = total + weight * (config.w_feature * feature_loss + config.w_token * token_loss)
         weight_sum += weight
         with torch.no_grad():
-            correct = (log_q.argmax(-1) == truth) & valid
-            metrics[f"acc_{k + 1}"] = float(correct.sum() / count)
+            metrics[f"acc_{k + 1}"] = float((drafted == truth[valid]).sum() / count)
         if k == 0:
             metrics["feature_loss"] = float(feature_loss.detach())
             metrics["token_loss"] = float(token_loss.detach())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eagle.head import EagleHead
-from eagle.loss import LossConfig, eagle_loss, rollout, rollout_metrics, target_token_ids
+from eagle.loss import LossConfig, eagle_loss, rollout, rollout_metrics, soft_cross_entropy, target_token_ids
 from eagle.train import build_optimizer, collate, token_budget_batches, train_step, warmup_linear
 from eagle.tree import causal_mask
 from tests.heads import continuations, single_thread
@@ -256,3 +256,73 @@ def test_an_eagle1_head_ignores_the_fused_layers_a_dataset_also_holds(target):
     torch.testing.assert_close(compute_loss(head, both, config)[0], compute_loss(head, plain, config)[0])
     with pytest.raises(ValueError, match="fused target layers"):
         compute_loss(eagle3, plain, LossConfig.for_kind("eagle3", depth=2))
+
+
+def _dense_loss(head, features, tokens, loss_mask, config, inputs=None):
+    """The loss computed over every position and masked afterwards (what eagle_loss did before it computed
+    the logits only where the loss counts): the reference for the gathered version."""
+    from eagle.loss import _shift, _valid
+
+    eagle3 = head.config.kind == "eagle3"
+    predictions = rollout(head, inputs if eagle3 else features, tokens, config.depth, noise=0.0)
+    target_p = torch.softmax(head.target_logits(features), -1).detach()
+    total, weights = 0.0, 0.0
+    for k, predicted in enumerate(predictions):
+        truth = target_token_ids(head, _shift(tokens, k + 2))
+        valid = _valid(loss_mask, k) & ((truth >= 0) if eagle3 else True)
+        count = valid.sum().clamp(min=1)
+        feature = 0.0
+        if not eagle3:
+            feature = (torch.nn.functional.smooth_l1_loss(predicted, _shift(features, k + 1), reduction="none").mean(-1) * valid).sum() / count
+        ce = -(_shift(target_p, k + 1) * torch.log_softmax(head.draft_logits(predicted), -1)).sum(-1)
+        total = total + config.depth_decay**k * (config.w_feature * feature + config.w_token * (ce * valid).sum() / count)
+        weights += config.depth_decay**k
+    return total / weights
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_the_loss_and_its_gradients_equal_the_dense_masked_computation(target, kind):
+    """Prompt tokens, padding and out-of-vocabulary positions are skipped before the LM-head logits; the
+    value and every gradient stay those of computing everything and masking afterwards."""
+    head = EagleHead.for_target(target, seed=4, kind=kind, draft_token_ids=torch.arange(0, 64, 2))
+    tokens = continuations(target, sequences=3, length=14, temperature=1.0, seed=13)
+    features, fused = _fused(target, head, tokens) if kind == "eagle3" else (_features(target, tokens), None)
+    mask = torch.zeros_like(tokens)
+    mask[0, 4:] = 1  # an answer after a 4-token prompt
+    mask[1, 7:11] = 1  # an answer followed by padding
+    mask[2, 2:] = 1
+    config = LossConfig.for_kind(kind, depth=3, noise=0.0)
+    loss, _ = eagle_loss(head, features, tokens, mask, config, inputs=fused)
+    grads = torch.autograd.grad(loss, [p for p in head.parameters() if p.requires_grad])
+    expected = _dense_loss(head, features, tokens, mask, config, inputs=fused)
+    expected_grads = torch.autograd.grad(expected, [p for p in head.parameters() if p.requires_grad])
+    torch.testing.assert_close(loss, expected.float(), rtol=1e-6, atol=1e-7)
+    assert any(bool(g.abs().sum() > 0) for g in grads)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+@pytest.mark.parametrize("train_weight", [False, True])
+def test_chunked_soft_cross_entropy_equals_the_dense_formula(chunk, train_weight):
+    """Value, argmax and gradients of the chunked loss (gradient computed in its forward) equal autograd's
+    through the full logits, whatever the chunking, for rows that repeat and a weight that trains or not."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 8, generator=generator, requires_grad=True)
+    weight = torch.randn(20, 8, generator=generator).requires_grad_(train_weight)
+    p = torch.softmax(torch.randn(6, 20, generator=generator) * 3, -1)
+    rows = torch.tensor([0, 1, 2, 2, 5, 4, 3, 0, 1, 5])
+    total, argmax = soft_cross_entropy(x, weight, p, rows, chunk=chunk)
+    (2.5 * total).backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    w_ref = weight.detach().clone().requires_grad_(train_weight)
+    logits = x_ref @ w_ref.t()
+    reference = -(p[rows] * torch.log_softmax(logits, -1)).sum()
+    (2.5 * reference).backward()
+    torch.testing.assert_close(total, reference, rtol=1e-6, atol=1e-6)
+    assert torch.equal(argmax, logits.argmax(-1))
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    if train_weight:
+        torch.testing.assert_close(weight.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
+    else:
+        assert weight.grad is None
