@@ -166,7 +166,9 @@ class HeadConfig:
 
         settings = {k: v for k, v in self.layer_config.items() if k != "model_type"}
         config = AutoConfig.for_model(self.model_type, **settings)
-        config._attn_implementation = "sdpa"
+        from eagle.chain_attention import register
+
+        config._attn_implementation = register()  # SDPA, and the rollout's chain masks without a dense mask
         return config
 
 

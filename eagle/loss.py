@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from eagle.chain_attention import ChainMask
 from eagle.head import EagleHead
 
 NEG_INF = float("-inf")
@@ -65,20 +66,6 @@ def target_token_ids(head: EagleHead, tokens: torch.Tensor) -> torch.Tensor:
     return torch.where(t2d[tokens], mapped, torch.full_like(mapped, -1))
 
 
-def _causal(q: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    mask = torch.full((q, q), NEG_INF, dtype=dtype, device=device).triu(1)
-    return mask[None, None]
-
-
-def _chain_mask(length: int, depth: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[1, 1, L, depth*L]``: depth-``depth`` queries over [block 0 (causal) | blocks 2..depth (diagonal)]."""
-    base = torch.full((length, length), NEG_INF, dtype=dtype, device=device)
-    blocks = [base.triu(1)]
-    diagonal = torch.full((length, length), NEG_INF, dtype=dtype, device=device).fill_diagonal_(0.0)
-    blocks += [diagonal] * (depth - 1)
-    return torch.cat(blocks, dim=1)[None, None]
-
-
 def rollout(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth: int, *, noise: float = 0.0) -> list[torch.Tensor]:
     """The head's predictions at depths 1..``depth`` for every origin position.
 
@@ -92,19 +79,19 @@ def rollout(head: EagleHead, features: torch.Tensor, tokens: torch.Tensor, depth
 
     batch, n, _ = features.shape
     length = n - 1
-    device, dtype = features.device, features.dtype
+    device = features.device
     inputs = features[:, :-1]
     if noise > 0:
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise
     cache = DynamicCache() if depth > 1 else None
     positions = torch.arange(length, device=device)[None].expand(batch, -1)
-    predicted = head(inputs, tokens[:, 1:], cache, positions, _causal(length, dtype, device))
+    predicted = head(inputs, tokens[:, 1:], cache, positions, ChainMask(length, 1))
     outputs = [predicted]
     for k in range(1, depth):
         # depth k+1 of origin j reads (f̂ of depth k, token x_{j+k+1}) at position j+k
         shifted = torch.zeros_like(tokens[:, 1:])
         shifted[:, : max(length - k, 0)] = tokens[:, k + 1 :]
-        predicted = head(predicted, shifted, cache, positions + k, _chain_mask(length, k + 1, dtype, device))
+        predicted = head(predicted, shifted, cache, positions + k, ChainMask(length, k + 1))
         outputs.append(predicted)
     return outputs
 
