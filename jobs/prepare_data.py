@@ -727,7 +727,9 @@ def _run(args: argparse.Namespace) -> int:
         spec = args.target or get_preset(args.preset).target
         _, target_name, revision = resolve_target(spec)
         claim_revision(Registry(), target_name, args.claim_version, revision)
-    prepare(preset_from_args(args), args.storage, sharegpt=args.sharegpt, progress=True)
+    manifest = prepare(preset_from_args(args), args.storage, sharegpt=args.sharegpt, progress=True)
+    # the job's result, one JSON line on stdout (as jobs.featurize and jobs.train_head end)
+    print(json.dumps({k: manifest[k] for k in ("target", "target_revision", "dataset", "splits", "regeneration")}))
     return 0
 
 

@@ -339,6 +339,13 @@ def test_missing_sharegpt_file_and_bad_settings_are_one_line(tmp_path, capsys):
     assert not [p for p in store.rglob("*") if p.is_file()]
 
 
+def test_the_cli_ends_with_the_manifest_summary_on_stdout(tmp_path, capsys):
+    assert main(["--storage", str(tmp_path), "--dataset", "cli", "--conversations", "6", "--max-length", "128", "--shard-records", "4"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    manifest = layout.dataset_storage(str(tmp_path), TARGET, "cli").read_json(f"{layout.DATA}/{layout.MANIFEST}")
+    assert summary["splits"] == manifest["splits"] and summary["dataset"] == "cli" and summary["regeneration"] is None
+
+
 def test_cli_overrides_reach_the_data_config(tmp_path):
     from jobs.prepare_data import build_parser, preset_from_args
 
