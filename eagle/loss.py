@@ -35,8 +35,6 @@ from torch.nn import functional as F
 from eagle.chain_attention import ChainMask
 from eagle.head import EagleHead
 
-NEG_INF = float("-inf")
-
 
 @dataclass(frozen=True)
 class LossConfig:
