@@ -176,7 +176,9 @@ def soft_cross_entropy(
     """``(sum_i CE(p[rows[i]], softmax(weight @ x_i)), argmax_v (weight @ x_i))`` for ``x`` ``[N, h]``,
     ``weight`` ``[V, h]``, ``p`` ``[R, V]`` (each row a distribution, or zero) indexed by ``rows`` ``[N]``:
     the value and gradients of ``-(p[rows] * log_softmax(x @ weight.T)).sum()``, without the ``[N, V]``
-    tensors (:class:`_SoftCrossEntropy`)."""
+    tensors (:class:`_SoftCrossEntropy`). Under ``torch.no_grad`` no gradient is formed."""
+    if not torch.is_grad_enabled():  # a Function still sees requires_grad inputs as needing gradients there
+        x, weight = x.detach(), weight.detach()
     return _SoftCrossEntropy.apply(x, weight, p, rows, chunk)
 
 

@@ -326,3 +326,6 @@ def test_chunked_soft_cross_entropy_equals_the_dense_formula(chunk, train_weight
         torch.testing.assert_close(weight.grad, w_ref.grad, rtol=1e-5, atol=1e-6)
     else:
         assert weight.grad is None
+    with torch.no_grad():
+        value, drafted = soft_cross_entropy(x, weight, p, rows, chunk=chunk)
+    assert not value.requires_grad and value == total.detach() and torch.equal(drafted, argmax)
