@@ -52,7 +52,7 @@ class _ChainAttention(torch.autograd.Function):
     def forward(ctx, q, k0, v0, kc, vc, scale):
         aten = torch.ops.aten
         batch, heads, length, dim = q.shape
-        kv_heads, n = kc.shape[1], kc.shape[2]
+        kv_heads = kc.shape[1]
         groups = heads // kv_heads
         acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 stays float64)
         causal, lse_causal = aten._scaled_dot_product_flash_attention_for_cpu(q, k0, v0, 0.0, True, scale=scale)
