@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 RAY_WORKER_PORTS = range(10002, 20000)  # ray start --min-worker-port / --max-worker-port defaults
-FLOOR = 20000
+FLOOR = RAY_WORKER_PORTS.stop  # the window starts above Ray's worker ports
 
 
 def ephemeral_range() -> range:
@@ -46,7 +46,7 @@ def free_port(preferred: int = 0, host: str = "127.0.0.1") -> int:
     if preferred and bindable(preferred, host):
         return preferred
     ephemeral = ephemeral_range()
-    window = [p for p in (range(FLOOR, ephemeral.start)) if p not in RAY_WORKER_PORTS and p not in ephemeral]
+    window = range(FLOOR, ephemeral.start)  # empty when the ephemeral range starts below FLOOR
     for port in random.sample(window, min(len(window), 256)):
         if bindable(port, host):
             return port
