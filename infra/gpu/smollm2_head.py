@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One bounded run on one GPU: the best EAGLE head for the default target (SmolLM2-135M-Instruct) in ~8 minutes.
+"""One bounded run on one GPU: the best EAGLE head for the default target (SmolLM2-135M-Instruct) in ~9 minutes.
 
     PYTHONPATH=.:/tmp/site python3 infra/gpu/smollm2_head.py --out $OUT [--kind eagle3|eagle1] ...
 
@@ -16,7 +16,8 @@ b. regenerate: the target answers ShareGPT's first-turn prompts (``.gpu/prompts.
    without an end-of-turn marker, ``eagle.data.tokenize`` with assistant-only loss masks), in big
    length-sorted batches (``--batch-rows``, at most ``--regen-kv-tokens`` rows x (prompt + budget) tokens
    each) taken in a shuffled order, until ``--regen-seconds`` are spent. The held-out prompts
-   (``eagle.data.is_eval``, 2 %) go first.
+   (``eagle.data.is_eval``, 2 %, at most ``--eval-prompts``) ride in the same batches (``--eval-batch-first``:
+   a batch of their own first, as the first run did: mixed lengths made it its slowest batch).
 c. train: online, as ``jobs.train_head --online`` does without Ray / DeepSpeed: the frozen target's
    features (``jobs.frozen_target.FeatureExtractor``: final features, and for EAGLE-3 the streams entering
    the head's ``aux_layers``) computed in the loop, ``eagle.train.train_step`` (AdamW(0.9, 0.95), clip 0.5,
@@ -83,19 +84,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (the dry run)")
     p.add_argument("--dtype", default="auto", help="target dtype; auto: bf16 on GPUs and CPUs with native bf16 (eagle.runtime)")
     p.add_argument("--kind", default="eagle3", choices=("eagle3", "eagle1"), help="head kind")
-    p.add_argument("--regen-seconds", type=float, default=200.0, help="no regeneration batch starts after this")
-    p.add_argument("--train-seconds", type=float, default=240.0, help="training wall clock (evaluations included)")
-    p.add_argument("--total-seconds", type=float, default=530.0, help="hard budget of the whole script from its start")
-    p.add_argument("--batch-rows", type=int, default=2048, help="regeneration: prompts per HF generate call (at most)")
-    p.add_argument("--regen-kv-tokens", type=int, default=2_000_000,
+    p.add_argument("--regen-seconds", type=float, default=170.0, help="no regeneration batch starts after this")
+    p.add_argument("--train-seconds", type=float, default=300.0, help="training wall clock (evaluations included)")
+    p.add_argument("--total-seconds", type=float, default=540.0, help="hard budget of the whole script from its start")
+    p.add_argument("--batch-rows", type=int, default=4096, help="regeneration: prompts per HF generate call (at most)")
+    p.add_argument("--regen-kv-tokens", type=int, default=3_000_000,
                    help="regeneration: rows x (longest prompt + answer budget) per batch (KV ~23 KB per token)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="answer token cap (jobs' regen_max_new_tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=256,
+                   help="answer token cap (jobs' regen_max_new_tokens is 512; the benchmarks decode 128, and a step's cost grows with the KV)")
     p.add_argument("--max-length", type=int, default=2048, help="tokens per rendered conversation (jobs' max_length)")
     p.add_argument("--max-prompts", type=int, default=None, help="the first N train prompts only (and up to N/4 held-out ones): the dry run")
     p.add_argument("--eval-fraction", type=float, default=0.02, help="held out by eagle.data.is_eval (the jobs' default)")
-    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts regenerated (first)")
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prompts regenerated (at most)")
+    p.add_argument("--eval-batch-first", action="store_true",
+                   help="regenerate the held-out prompts first, in batches of their own (by default they ride in the train batches)")
     p.add_argument("--eval-tokens", type=int, default=65536, help="padded tokens of the held-out batch evaluated")
     p.add_argument("--eval-every", type=float, default=30.0, help="seconds of training between evaluations")
+    p.add_argument("--profile-step", type=int, default=5, help="this training step runs under torch.profiler (-1: none)")
     p.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per training step (halved on OOM)")
     p.add_argument("--lr", type=float, default=None, help="default: the cpu-long preset's (2e-3)")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: the cpu-long preset's (30)")
@@ -394,7 +399,11 @@ class Run:
         budget = min(args.regen_seconds, max(0.0, self.left() - 0.5 * args.train_seconds))  # training keeps >= half its budget
         train_batches = plan(train)
         random.Random(args.seed).shuffle(train_batches)  # whatever is done in time samples every prompt length
-        queue = [("eval", b) for b in plan(held)] + [("train", b) for b in train_batches]
+        if args.eval_batch_first:  # a batch of held-out prompts alone (mixed lengths: slow), then the train batches
+            queue = [("eval", b) for b in plan(held)] + [("train", b) for b in train_batches]
+        else:  # held-out prompts inside the length-sorted batches, so they cost no batch of their own
+            queue = [("mixed", b) for b in plan(train + held)]
+            random.Random(args.seed).shuffle(queue)
         info.update(prompts_in_file=len(rows), train_prompts=len(train), eval_prompts=len(held), batches_planned=len(queue),
                     max_new_tokens=args.max_new_tokens, max_length=args.max_length, temperature=config.regen_temperature,
                     budget_s=round(budget, 1), batches=[], answers=0, answer_tokens=0, unfinished=0, dropped=0, prompts_done=0)
@@ -438,13 +447,13 @@ class Run:
                 continue
             self.sync()
             seconds = time.perf_counter() - t0
-            if split == "train":
+            if split != "eval":
                 batch_seconds.append(seconds)
             number += 1
             answer_tokens = sum(c.answer_tokens for c in costs)
-            records = self.train_records if split == "train" else self.eval_records
             kept = 0
-            for conversation in done:
+            for index, conversation in zip(batch, done):
+                records = self.eval_records if index in held_set else self.train_records
                 if conversation is None:
                     info["dropped"] += 1
                     continue
@@ -604,11 +613,16 @@ class Run:
                 t0 = time.perf_counter()
                 batch = metrics = None
                 try:
-                    batch = features_of(collate([records[i] for i in ids]))
                     factor = lr_factor(step, warmup=warmup, progress=wall / budget if budget > 0 else 1.0)
                     for group in optimizer.param_groups:
                         group["lr"] = lr * factor
-                    metrics = train_step(head, optimizer, batch, loss_config, clip=base.clip, autocast_bf16=self.autocast)
+                    def one_step():  # the target's features and the head's step
+                        nonlocal batch
+                        batch = features_of(collate([records[i] for i in ids]))
+                        return train_step(head, optimizer, batch, loss_config, clip=base.clip, autocast_bf16=self.autocast)
+
+                    # one step under torch.profiler (the target's forward included): where a step's time goes
+                    metrics = self.profiled(info, one_step) if step == args.profile_step else one_step()
                 except torch.cuda.OutOfMemoryError:
                     pass
                 if metrics is None:  # out of memory (handled here, once the exception's frames are gone)
@@ -657,6 +671,34 @@ class Run:
             record_eval(step, train_s, time.perf_counter() - began, tokens)
         info["final"] = info["curve"][-1] if info["curve"] else {}
         logger.info("trained %d steps in %.0f s (%.0f tok/s): %s", step, train_s, info["tok_s"], info["final"])
+
+    def profiled(self, info: dict[str, Any], fn) -> Any:
+        """``fn()`` under ``torch.profiler``; its 15 costliest operators by self time on the device (GPU runs) and
+        on the host go into ``info["profile"]``."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.args.device.startswith("cuda")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        began = time.perf_counter()
+        with profile(activities=activities) as prof:
+            result = fn()
+            self.sync()
+        wall = time.perf_counter() - began
+        try:
+            events = prof.key_averages()
+            info["profile"] = {"wall_s": round(wall, 3)}
+            for key in (["self_device_time_total"] if cuda else []) + ["self_cpu_time_total"]:
+                rows = sorted(events, key=lambda e: getattr(e, key, 0) or 0, reverse=True)[:15]
+                info["profile"][key] = {
+                    "total_ms": round(sum(getattr(e, key, 0) or 0 for e in events) / 1e3, 2),
+                    "top": [{"op": e.key, "ms": round((getattr(e, key, 0) or 0) / 1e3, 2), "calls": e.count} for e in rows],
+                }
+                logger.info("profiled step: %.3f s wall; top by %s: %s", wall, key,
+                            ", ".join(f"{r['op']} {r['ms']} ms x{r['calls']}" for r in info["profile"][key]["top"][:8]))
+        except Exception as err:  # noqa: BLE001 - the profile is a by-product: never the reason a run fails
+            info["profile"] = {"error": f"{type(err).__name__}: {err}"}
+        return result
 
     # ---- d. saving --------------------------------------------------------------------------------
 
