@@ -70,14 +70,17 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle.errors import EagleError
-from eagle.head import CONFIG_NAME, HEAD_FORMAT, WEIGHTS_NAME, HeadConfig
+from eagle.head import CONFIG_NAME, HEAD_FORMAT, WEIGHTS_NAME, HeadConfig, check_compatible
+
+if TYPE_CHECKING:
+    from eagle.target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -180,12 +183,18 @@ def _eagle3_export_problems(config: HeadConfig, fmt: str) -> list[str]:
     return problems
 
 
-def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str | None = None) -> Path:
+def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str | None = None, target: "Target | None" = None) -> Path:
     """Write the head directory ``source`` (ours) into ``dest`` in layout ``fmt``; raises ``HeadFormatError``
     with every reason it cannot. ``dest`` is written beside itself and renamed into place, so a failed export
     leaves nothing half-written; an existing ``dest`` is refused. ``verifier`` (speculators only): the target's
     Hugging Face id or directory, which speculators loads the head with (default: the head's target as this
-    machine resolves it)."""
+    machine resolves it).
+
+    An EAGLE-3 file saved without its ``lm_head.weight`` (the target's draft-vocabulary rows, frozen:
+    ``EagleHead.from_pretrained`` restores them) gets them back from ``target`` (default: the head's target,
+    loaded): every layout written here carries the draft LM head, since vLLM, finding none, shares the
+    target's whole-vocabulary LM head and maps its ids through ``d2t`` as draft ids (seen 2026-12-04: 0 of
+    900 drafts accepted)."""
     source, dest = Path(source), Path(dest)
     if not is_native(source):
         raise HeadFormatError(f"{source} is not a head directory in this engine's layout ({CONFIG_NAME} with format {HEAD_FORMAT!r})")
@@ -196,6 +205,8 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
     if dest.exists():
         raise HeadFormatError(f"{dest} already exists: export into a new directory")
     state = _load_safetensors(source / WEIGHTS_NAME)
+    if config.kind == "eagle3" and "lm_head.weight" not in state:
+        state["lm_head.weight"] = _target_draft_rows(config, state, target)
     if config.kind == "eagle3":
         renamed, foreign_config = _eagle3_export(config, fmt, state, _verifier(config, verifier) if fmt == "speculators" else None)
     else:
@@ -218,6 +229,27 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
         raise
     logger.info("exported %s as %s to %s (%d tensors)", source, fmt, dest, len(renamed))
     return dest
+
+
+def _target_draft_rows(config: HeadConfig, state: dict[str, torch.Tensor], target: "Target | None") -> torch.Tensor:
+    """The target's LM-head rows of the head's draft vocabulary (``d2t``: draft id -> target id offset), in the
+    dtype of the head's ``fc.weight``: what an EAGLE-3 head's frozen ``lm_head`` holds."""
+    if target is None:
+        from eagle.errors import UnknownTargetError
+        from eagle.target import load_target
+
+        try:
+            target = load_target(config.target_name)
+        except UnknownTargetError:
+            raise HeadFormatError(
+                f"the head's file has no lm_head.weight and its target {config.target_name!r} does not resolve here: "
+                "the export needs the target's LM head rows"
+            ) from None
+    check_compatible(config, target)
+    weight = target.lm_head.weight.detach().cpu()
+    if "d2t" in state:
+        weight = weight.index_select(0, torch.arange(config.draft_vocab_size) + state["d2t"].long())
+    return weight.to(state["fc.weight"].dtype).contiguous()
 
 
 def _foreign_config(config: HeadConfig, fmt: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -292,6 +292,26 @@ def test_an_eagle3_head_exports_to_each_layout_and_imports_back_drafting_the_sam
     assert _drafts(target, imported) == _drafts(target, head)
 
 
+def test_an_eagle3_file_without_its_lm_head_exports_the_targets_draft_rows(tmp_path):
+    """infra/gpu/smollm2_head.py saves EAGLE-3 heads without their frozen lm_head (the target's rows) to fit
+    16 MiB; vLLM, finding no lm_head in an export, shares the target's whole-vocabulary one and drafts
+    nothing right. The export puts the rows back, and refuses when it cannot find the target."""
+    target = _eagle3_target()
+    head = _eagle3_head(target, "reduced")
+    source = head.save_pretrained(tmp_path / "ours")
+    state = load_file(str(source / "model.safetensors"))
+    del state["lm_head.weight"]
+    save_file(state, str(source / "model.safetensors"))
+    with pytest.raises(HeadFormatError, match="no lm_head.weight"):  # the tiny target has no name that resolves
+        export_head(source, tmp_path / "refused", "vllm")
+    assert not (tmp_path / "refused").exists()
+    dest = export_head(source, tmp_path / "vllm", "vllm", target=target)
+    weights = load_file(str(dest / "model.safetensors"))
+    assert torch.equal(weights["lm_head.weight"], head.lm_head.weight.detach())
+    assert vllm_eagle3_problems(dest, target) == []
+    assert _drafts(target, EagleHead.from_pretrained(dest, target)) == _drafts(target, head)
+
+
 def test_the_vllm_checks_catch_what_vllm_would_refuse(tmp_path):
     """The reading of vLLM's loader above is not vacuous: a stray key, a missing d2t and a bad fc each fail it."""
     target = _eagle3_target()
