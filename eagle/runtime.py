@@ -293,8 +293,20 @@ _PACKED_ATTRIBUTES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 def pack_linears(module: nn.Module) -> nn.Module:
     """Replace the linears a ``LeanModel`` / ``LeanHead`` (and their ``LeanLayer``s) call by ``PackedLinear``s,
     in place on this lean instance (the transformers modules it reads stay as they are). Fusing q|k|v and
-    gate|up into one packed GEMM each was measured and dropped: 40 vs 33 ms a batch-2 step of SmolLM2."""
-    for owner in (module, *module.modules()):
+    gate|up into one packed GEMM each was measured and dropped: 40 vs 33 ms a batch-2 step of SmolLM2.
+
+    A ``LeanHead`` holds its ``EagleHead`` (``.head``), which every other runtime of that head shares and
+    reads through (an EAGLE-3 head's ``draft_weight`` is ``head.lm_head.weight``): that subtree is not
+    walked. Packing its ``lm_head`` in place once changed a module type that compiled graphs guard on, and
+    each serving request with an EAGLE-3 head failed with "would recompile" (2026-12-04)."""
+
+    def owners(m: nn.Module):
+        yield m
+        for child in m.children():
+            if not isinstance(child, EagleHead):
+                yield from owners(child)
+
+    for owner in owners(module):
         for name in _PACKED_ATTRIBUTES:
             linear = owner._modules.get(name)
             if isinstance(linear, nn.Linear):

@@ -282,6 +282,23 @@ def test_packed_linears_compute_what_the_linears_do():
     assert torch.equal(outputs[0], outputs[1])  # the same oneDNN kernels on prepacked weights
 
 
+def test_packing_a_lean_head_leaves_the_shared_head_as_it_is():
+    """The batched path packs its own LeanHead; the EagleHead inside it is shared with the compiled
+    single-request graphs, which guard on its modules' types (an EAGLE-3 head's lm_head)."""
+    from eagle.head import LeanHead
+    from eagle.runtime import PackedLinear, pack_linears, packable
+
+    target = tiny_target("llama", vocab_size=64, hidden_size=32, layers=6, dtype=torch.bfloat16)
+    head = good_head(target, kind="eagle3")
+    if not packable(head.fc.weight):
+        pytest.skip("this CPU's oneDNN does not pack bf16 weights: the runtimes keep plain linears")
+    before = {name: type(m) for name, m in head.named_modules()}
+    lean = pack_linears(LeanHead(head, 256))
+    assert isinstance(lean.fc, PackedLinear) and isinstance(lean.layers[0].q_proj, PackedLinear)
+    assert {name: type(m) for name, m in head.named_modules()} == before
+    assert type(head.lm_head) is torch.nn.Linear and type(head.fc) is torch.nn.Linear
+
+
 @pytest.mark.slow
 def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
     """Under compile="on" a batch of one runs the compiled single-request graphs and larger batches the eager
