@@ -99,10 +99,13 @@ bench-vllm-eagle: install
 	infra/bench/vllm_eagle.sh $(HEAD)
 
 # BATCH_GRAPHS="4 8 16": the pairs compile their plain batched steps for those sizes (serve/README.md).
+# VLLM_HEAD=1: vLLM is also measured with HEAD exported for it as its speculative model.
 .PHONY: bench-serve
 BATCH_GRAPHS ?=
+VLLM_HEAD ?=
 bench-serve: install
-	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --batch-graphs $(BATCH_GRAPHS) --cpu-seconds --out docs/bench/serve
+	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --batch-graphs $(BATCH_GRAPHS) --cpu-seconds \
+	    $(if $(VLLM_HEAD),--vllm-head $(HEAD)) --out docs/bench/serve
 
 .PHONY: serve loadtest
 serve: install

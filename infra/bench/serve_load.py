@@ -10,7 +10,9 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
 2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level, ``--rounds``
    times (A B B A ...; the rounds of a cell pooled, each round's tokens/s kept);
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
-   the same levels against it; the server stopped;
+   the same levels against it; the server stopped; with ``--vllm-head``, again with that head exported for
+   vLLM (``eagle.formats.export_head``) as its speculative model (``smollm2-135m-vllm-eagle``: method
+   ``eagle`` or ``eagle3`` by the head's kind, ``--vllm-spec-tokens`` drafted tokens a step);
 4. OUT/load.json (every request; with ``--cpu-seconds`` each level's CPU seconds per process) and OUT/load.md
    (the table).
 
@@ -145,22 +147,40 @@ def ours(args, prompts: list[str]) -> list[dict]:
         ray.shutdown()
 
 
-def vllm(args, prompts: list[str]) -> list[dict]:
+def vllm(args, prompts: list[str], name: str = "smollm2-135m-vllm", speculative: dict | None = None) -> list[dict]:
+    """vLLM's server on the target (and ``speculative``: its ``--speculative-config``), served as ``name``."""
     from eagle.target import materialize_builtin
 
     model_dir = materialize_builtin("smollm2-135m")[0]
     port = free_port()
-    log = open(Path(args.out) / "vllm-serve.log", "w")
+    log = open(Path(args.out) / f"{name}-serve.log", "w")
+    env = dict(os.environ, VLLM_DTYPE=args.dtype)
+    if speculative is not None:  # peers.sh splits VLLM_SERVE_ARGS on spaces: the JSON has none
+        env["VLLM_SERVE_ARGS"] = f"--served-model-name {name} --speculative-config {json.dumps(speculative, separators=(',', ':'))}"
     process = subprocess.Popen([str(REPO / "infra/bench/peers.sh"), "vllm-serve", str(model_dir), str(port), str(args.max_batch)],
-                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=dict(os.environ, VLLM_DTYPE=args.dtype))
+                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, 1800, process)
-        return levels_for(base, ["smollm2-135m-vllm"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
+        return levels_for(base, [name], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, 15)
             process.wait(60)
+
+
+def vllm_speculative(args) -> dict:
+    """``--vllm-head`` exported into OUT/vllm-head (replaced), and vLLM's speculative config for it."""
+    import shutil
+
+    from eagle.formats import export_head
+    from eagle.head import HeadConfig
+
+    dest = Path(args.out).resolve() / "vllm-head"
+    shutil.rmtree(dest, ignore_errors=True)
+    export_head(args.vllm_head, dest, "vllm")
+    method = "eagle3" if HeadConfig.read(args.vllm_head).kind == "eagle3" else "eagle"
+    return {"method": method, "model": str(dest), "num_speculative_tokens": args.vllm_spec_tokens}
 
 
 def main() -> int:
@@ -178,6 +198,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="runs of every cell, pooled (models alternate A B B A)")
     parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-head", default=None, help="also serve vLLM with this head directory (ours) exported for it")
+    parser.add_argument("--vllm-spec-tokens", type=int, default=3, help="vLLM's num_speculative_tokens with --vllm-head")
     parser.add_argument("--skip-ours", action="store_true", help="reuse OUT/load-ours.json from an earlier run")
     parser.add_argument("--out", default="docs/bench/serve")
     args = parser.parse_args()
@@ -195,12 +217,14 @@ def main() -> int:
         levels += json.loads((Path(args.out) / "load-ours.json").read_text())
     if not args.skip_vllm:
         levels += vllm(args, prompts)
+        if args.vllm_head:
+            levels += vllm(args, prompts, "smollm2-135m-vllm-eagle", vllm_speculative(args))
     result = {
         "command": "infra/bench/serve_load.py " + " ".join(sys.argv[1:]),
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "head": args.head, "dtype": args.dtype, "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "vllm_head": args.vllm_head, "vllm_spec_tokens": args.vllm_spec_tokens, "head": args.head, "dtype": args.dtype, "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
