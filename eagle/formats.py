@@ -77,7 +77,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle.errors import EagleError
-from eagle.head import CONFIG_NAME, HEAD_FORMAT, WEIGHTS_NAME, HeadConfig, check_compatible
+from eagle.head import CONFIG_NAME, HEAD_FORMAT, WEIGHTS_NAME, HeadConfig
 
 if TYPE_CHECKING:
     from eagle.target import Target
@@ -194,7 +194,7 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
     ``EagleHead.from_pretrained`` restores them) gets them back from ``target`` (default: the head's target,
     loaded): every layout written here carries the draft LM head, since vLLM, finding none, shares the
     target's whole-vocabulary LM head and maps its ids through ``d2t`` as draft ids (seen 2026-12-04: 0 of
-    900 drafts accepted)."""
+    1,016 drafts accepted)."""
     source, dest = Path(source), Path(dest)
     if not is_native(source):
         raise HeadFormatError(f"{source} is not a head directory in this engine's layout ({CONFIG_NAME} with format {HEAD_FORMAT!r})")
@@ -206,7 +206,7 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
         raise HeadFormatError(f"{dest} already exists: export into a new directory")
     state = _load_safetensors(source / WEIGHTS_NAME)
     if config.kind == "eagle3" and "lm_head.weight" not in state:
-        state["lm_head.weight"] = _target_draft_rows(config, state, target)
+        state["lm_head.weight"] = _target_draft_rows(source, config, state["fc.weight"].dtype, target)
     if config.kind == "eagle3":
         renamed, foreign_config = _eagle3_export(config, fmt, state, _verifier(config, verifier) if fmt == "speculators" else None)
     else:
@@ -231,9 +231,11 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
     return dest
 
 
-def _target_draft_rows(config: HeadConfig, state: dict[str, torch.Tensor], target: "Target | None") -> torch.Tensor:
-    """The target's LM-head rows of the head's draft vocabulary (``d2t``: draft id -> target id offset), in the
-    dtype of the head's ``fc.weight``: what an EAGLE-3 head's frozen ``lm_head`` holds."""
+def _target_draft_rows(source: Path, config: HeadConfig, dtype: torch.dtype, target: "Target | None") -> torch.Tensor:
+    """An EAGLE-3 head's frozen ``lm_head`` rows (the target's draft-vocabulary rows) as
+    ``EagleHead.from_pretrained`` restores them, in ``dtype``."""
+    from eagle.head import EagleHead
+
     if target is None:
         from eagle.errors import UnknownTargetError
         from eagle.target import load_target
@@ -245,11 +247,7 @@ def _target_draft_rows(config: HeadConfig, state: dict[str, torch.Tensor], targe
                 f"the head's file has no lm_head.weight and its target {config.target_name!r} does not resolve here: "
                 "the export needs the target's LM head rows"
             ) from None
-    check_compatible(config, target)
-    weight = target.lm_head.weight.detach().cpu()
-    if "d2t" in state:
-        weight = weight.index_select(0, torch.arange(config.draft_vocab_size) + state["d2t"].long())
-    return weight.to(state["fc.weight"].dtype).contiguous()
+    return EagleHead.from_pretrained(source, target).lm_head.weight.detach().to(device="cpu", dtype=dtype).contiguous()
 
 
 def _foreign_config(config: HeadConfig, fmt: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:

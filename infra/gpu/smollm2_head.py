@@ -406,9 +406,10 @@ class Run:
             return batches
 
         budget = min(args.regen_seconds, max(0.0, self.left() - 0.5 * args.train_seconds))  # training keeps >= half its budget
-        train_batches = plan(train)
-        random.Random(args.seed).shuffle(train_batches)  # whatever is done in time samples every prompt length
+        # batches in a shuffled order: whatever is done in time samples every prompt length
         if args.eval_batch_first:  # a batch of held-out prompts alone (mixed lengths: slow), then the train batches
+            train_batches = plan(train)
+            random.Random(args.seed).shuffle(train_batches)
             queue = [("eval", b) for b in plan(held)] + [("train", b) for b in train_batches]
         else:  # held-out prompts inside the length-sorted batches, so they cost no batch of their own
             queue = [("mixed", b) for b in plan(train + held)]
