@@ -146,12 +146,15 @@ class SpeculationPolicy:
     that a better-matching workload (say, repetitive text) can switch speculation back on: after
     ``explore_every x (break-even - 1)`` plain steps, i.e. exploring costs about one plain step in
     ``explore_every`` whatever a speculative step costs at this batch size (every 32nd step where drafting
-    costs 2x, every 128th where it costs 5x).
+    costs 2x, every 128th where it costs 5x). Each exploration that leaves drafting still behind doubles the
+    next interval, up to ``explore_backoff`` times the first, so a head that stays below break-even costs
+    less and less (at a fixed interval the EAGLE pair ran 4-9 % behind the target alone at 4-16 clients,
+    docs/benchmarks.md section 7); a step that drafts for real resets it.
     Verification becomes compute-bound as the batch grows, so the break-even rises with B: the draft
     budget shrinks to nothing at the batch sizes where plain batched decoding is faster."""
 
     def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",
-                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32) -> None:
+                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32, explore_backoff: int = 8) -> None:
         if mode not in SPECULATE_MODES:
             raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
         self.plain_ms = dict(sorted(plain_ms.items()))
@@ -160,6 +163,8 @@ class SpeculationPolicy:
         self.tau = prior_tau
         self.smoothing = smoothing
         self.explore_every = explore_every
+        self.explore_backoff = explore_backoff
+        self._explore_scale = 1  # doubles after each exploration while drafting stays behind, up to explore_backoff
         self._since_draft = 0
         self.decisions = {"draft": 0, "plain": 0, "explore": 0}
 
@@ -186,7 +191,7 @@ class SpeculationPolicy:
         """Steps from one exploring step to the next while plain decoding wins at this batch size (none while
         drafting has no measured cost)."""
         extra = self.break_even(batch) - 1
-        return max(1, round(self.explore_every * extra)) if extra != float("inf") else sys.maxsize
+        return max(1, round(self.explore_every * extra * self._explore_scale)) if extra != float("inf") else sys.maxsize
 
     def choose(self, batch: int) -> str:
         """``"draft"``, ``"explore"`` (drafting to measure acceptance) or ``"plain"`` for this step."""
@@ -194,8 +199,10 @@ class SpeculationPolicy:
             decision = "draft" if self.mode == "always" else "plain"
         elif self.tau >= self.break_even(batch):
             decision = "draft"
+            self._explore_scale = 1
         elif self._since_draft + 1 >= self.explore_interval(batch):
             decision = "explore"
+            self._explore_scale = min(self._explore_scale * 2, self.explore_backoff)  # what it sees resets it on drafting
         else:
             decision = "plain"
         self._since_draft = 0 if decision != "plain" else self._since_draft + 1
@@ -211,6 +218,7 @@ class SpeculationPolicy:
         finite = lambda v: round(v, 3) if v != float("inf") else None  # noqa: E731
         return {
             "mode": self.mode, "tau_estimate": round(self.tau, 3), "decisions": dict(self.decisions),
+            "explore_scale": self._explore_scale,
             "plain_ms": {b: finite(v) for b, v in self.plain_ms.items()},
             "speculative_ms": {b: finite(v) for b, v in self.speculative_ms.items()},
             "break_even_tau": {b: finite(self.break_even(b)) for b in self.plain_ms},
@@ -287,7 +295,8 @@ class BatchDecoder:
             if self.heads is not None:
                 speculative[batch] = self._time_step(batch, True, repeats if measure else 1)
         self.policy = SpeculationPolicy(plain, speculative, mode=self.speculate,
-                                        prior_tau=self.policy.tau, explore_every=self.policy.explore_every)
+                                        prior_tau=self.policy.tau, explore_every=self.policy.explore_every,
+                                        explore_backoff=self.policy.explore_backoff)
         report = self.policy.report()
         logger.info("batch policy: %s", report)
         return report

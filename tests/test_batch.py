@@ -239,9 +239,25 @@ def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
     assert policy.tau < 2.0 and policy.choose(1) == "plain"
     # exploring costs about one plain step in explore_every: a speculative step worth 3 plain ones comes
     # after 4 x (3 - 1) = 8 steps, one worth 6 after 4 x 5 = 20
-    explorer = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 30.0, 8: 120.0}, prior_tau=1.0, explore_every=4)
+    explorer = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 30.0, 8: 120.0}, prior_tau=1.0, explore_every=4, explore_backoff=1)
     assert [explorer.choose(1) for _ in range(16)] == (["plain"] * 7 + ["explore"]) * 2
     assert [explorer.choose(8) for _ in range(20)] == ["plain"] * 19 + ["explore"]
+    # each exploration that leaves drafting behind doubles the next interval, up to explore_backoff x; a real
+    # draft (the head got good) resets it
+    backoff = SpeculationPolicy({1: 10.0}, {1: 30.0}, prior_tau=1.0, explore_every=4, explore_backoff=4)
+    gaps = []
+    for _ in range(4):
+        steps = 1
+        while backoff.choose(1) != "explore":
+            steps += 1
+        gaps.append(steps)
+        backoff.observe(1.0)
+    assert gaps == [8, 16, 32, 32]
+    assert backoff.report()["explore_scale"] == 4
+    backoff.tau = 3.5
+    assert backoff.choose(1) == "draft" and backoff.report()["explore_scale"] == 1
+    backoff.tau = 1.0
+    assert [backoff.choose(1) for _ in range(8)] == ["plain"] * 7 + ["explore"]
     unmeasured = SpeculationPolicy({1: 10.0}, {}, prior_tau=1.0)  # nothing to draft with: never explores
     assert {unmeasured.choose(1) for _ in range(100)} == {"plain"}
     assert policy.report()["decisions"]["plain"] >= 2
