@@ -205,9 +205,9 @@ def export_head(source: str | Path, dest: str | Path, fmt: str, *, verifier: str
     if dest.exists():
         raise HeadFormatError(f"{dest} already exists: export into a new directory")
     state = _load_safetensors(source / WEIGHTS_NAME)
-    if config.kind == "eagle3" and "lm_head.weight" not in state:
-        state["lm_head.weight"] = _target_draft_rows(source, config, state["fc.weight"].dtype, target)
     if config.kind == "eagle3":
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = _target_draft_rows(source, config, state["fc.weight"].dtype, target)
         renamed, foreign_config = _eagle3_export(config, fmt, state, _verifier(config, verifier) if fmt == "speculators" else None)
     else:
         renamed = {}
