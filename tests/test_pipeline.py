@@ -132,6 +132,26 @@ def test_a_pipeline_runs_its_four_jobs_once_and_promotes(world):
     assert world.registry.alias_version(f"{name}-eagle", PRODUCTION) == "1"
 
 
+def test_a_reader_who_sees_the_alias_move_also_sees_the_gate_results(world, monkeypatch):
+    """The alias moves between two tag writes (results, then the state); a status read in that window must
+    show the results that passed the gate, not a promoted head beside an empty gate (CI saw that race)."""
+    name = f"{world.prefix}-r"
+    seen = []
+    promote = world.registry.promote
+
+    def promote_and_look(*args, **kwargs):
+        promote(*args, **kwargs)
+        seen.append(world.reconciler.status(name))
+
+    monkeypatch.setattr(world.registry, "promote", promote_and_look)
+    world.reconciler.onboard(name, str(world.model))
+    run_pipeline(world, name)
+    (status,) = seen
+    assert status["state"] == "evaluating" and status["production_head"] == status["head_version"] == "1"
+    assert status["tau"] == 2.0 and status["tau"] >= status["tau_gate"] and status["outputs_match_plain"] is True
+    assert world.reconciler.status(name)["state"] == "ready"
+
+
 def test_a_revision_registered_outside_the_service_moves_to_the_onboarded_version(world):
     name = f"{world.prefix}-x"
     external = world.registry.register_target(name, f"rev-{name}", {"by": "infra/local/pipeline.sh"})

@@ -172,10 +172,12 @@ class Reconciler:
 
     def status(self, name: str) -> dict[str, Any]:
         """What ``eaglectl targets status NAME --json`` prints (docs: platform/README.md "Status")."""
+        # the alias before the tags: the gate's results are tagged before the alias moves (``_after_stage``),
+        # so a reader that sees a new production head also sees the results that promoted it
+        production = self.registry.alias_version(head_model_name(name), PRODUCTION)
         versions = self._known(name)
         current = versions[-1]
         pipeline = current["pipeline"]
-        production = self.registry.alias_version(head_model_name(name), PRODUCTION)
         out = {
             "name": name,
             "version": current["version"],
@@ -397,8 +399,11 @@ class Reconciler:
         if tau < gate:
             self._set(name, number, state=FAILED, reason=f"gate: tau {tau:.3f} < {gate:.2f}", **results)
             return FAILED
+        # results, then the alias, then the state: a crash in between redoes this gate on restart (the promote
+        # is idempotent), and no reader sees the alias move before the results that passed the gate
+        self._set(name, number, **results)
         self._promote(name, pipeline["head_version"], notify=False)
-        self._set(name, number, state=READY, reason="", **results)
+        self._set(name, number, state=READY, reason="")
         logger.info("%s version %s ready: head %s is production (tau %.3f >= %.2f)", name, number, pipeline["head_version"], tau, gate)
         if self.on_ready:
             self.on_ready(name)
