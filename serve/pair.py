@@ -103,6 +103,10 @@ class PairSpec(BaseModel):
             ``max_batch_size`` rows of this many slots); capped by the target's context window.
         speculate: the batch's speculation policy: "auto" (measured costs), "always" or "never".
         stuck_after_s: ``check_health`` fails when requests wait and no decode step finished for this long.
+        stream_interval_s: the shortest time between two chunks of one request's stream after its first
+            token (which goes out at once): tokens decoded meanwhile go out together. Every chunk costs the
+            streaming path (replica, ingress, HTTP proxy) CPU on the cores that decode; 0 sends every step's
+            tokens as their own chunk.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -123,6 +127,7 @@ class PairSpec(BaseModel):
     max_context: int = Field(2048, ge=2)
     speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
     stuck_after_s: float = Field(120.0, gt=0)
+    stream_interval_s: float = Field(0.0, ge=0, le=1.0)
 
     @field_validator("device")
     @classmethod
@@ -305,7 +310,7 @@ class PairServer:
         # the decode loop: one thread steps the current engine (and, after a hot swap, the previous one until
         # its requests finish); requests wait on asyncio queues that the loop fills between steps
         self._engines: list[BatchDecoder] = [self._loaded.engine]
-        self._waiters: dict[int, tuple[BatchRequest, asyncio.AbstractEventLoop, asyncio.Queue, list[int]]] = {}
+        self._waiters: dict[int, tuple[BatchRequest, asyncio.AbstractEventLoop, _Outputs, list[int]]] = {}
         self._work = threading.Condition()
         self._closed = False
         self._loop_error: str | None = None
@@ -512,6 +517,7 @@ class PairServer:
             "tree": self.spec.tree.model_dump(),
             "max_batch_size": self.spec.max_batch_size,
             "batch_graphs": list(self.spec.batch_graphs),
+            "stream_interval_s": self.spec.stream_interval_s,
             "active_requests": sum(engine.active for engine in self._engines),
             "speculation_policy": loaded.engine.policy.report(),
             "dtype": self.spec.dtype,
@@ -592,7 +598,7 @@ class PairServer:
         finish = "stop" if hit or ids[-1] in stop_ids else ("length" if left == 0 else None)
         return _Resume(ids, config if finish is None else None, finish, stops, released)
 
-    def _submit(self, loaded: _Loaded, prompt_ids: list[int], resume: _Resume, request: Request) -> tuple[BatchRequest, asyncio.Queue]:
+    def _submit(self, loaded: _Loaded, prompt_ids: list[int], resume: _Resume, request: Request) -> tuple[BatchRequest, _Outputs]:
         """Queue the request on the engine (its checks raise here, as 4xx) and register where its outputs go."""
         try:
             queued = loaded.engine.submit(prompt_ids, resume.config, generated=resume.token_ids)
@@ -602,7 +608,7 @@ class PairServer:
                                code="context_length_exceeded") from None
         except EagleError as err:
             raise RequestError(str(err)) from None
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = _Outputs()
         with self._work:
             self._waiters[queued.id] = (queued, asyncio.get_running_loop(), queue, [0])
             self._work.notify_all()
@@ -635,6 +641,7 @@ class PairServer:
         tokens = len(resume.token_ids)
         finish = resume.finish or "length"
         first_token_s: float | None = None
+        interval = self.spec.stream_interval_s
         try:
             if resume.released:
                 yield {"type": "delta", "text": resume.released, "token_ids": []}
@@ -650,6 +657,8 @@ class PairServer:
                     if hit:
                         finish = "stop"
                         break
+                    if interval and end is _OPEN:
+                        await _until_end_or(queue, interval)  # the next chunk takes what the steps meanwhile made
                 if end is not _OPEN:
                     if end is not None:
                         raise end
@@ -733,9 +742,28 @@ def _coalesce(items: list[Any]) -> tuple[StepOutput | None, Any]:
     return merged, end
 
 
-def _put_all(queue: asyncio.Queue, items: list[Any]) -> None:
+class _Outputs(asyncio.Queue):
+    """A request's step outputs, then its end marker (None or an exception); ``ended`` is set with the marker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+
+async def _until_end_or(queue: _Outputs, seconds: float) -> None:
+    """Wait ``seconds``, or less if the request's end marker arrives meanwhile (its last tokens are not held
+    back for the rest of the interval); the items stay queued for the caller."""
+    try:
+        await asyncio.wait_for(queue.ended.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass
+
+
+def _put_all(queue: _Outputs, items: list[Any]) -> None:
     for item in items:
         queue.put_nowait(item)
+        if not isinstance(item, StepOutput):
+            queue.ended.set()
 
 
 def _replica_id() -> str | None:

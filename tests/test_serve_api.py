@@ -324,6 +324,40 @@ def test_concurrent_requests_on_one_pair_do_not_share_state(pairs):
         assert result["text"] == plain_text(server.target, server.target.tokenizer.encode(prompt), 20)
 
 
+def test_a_stream_interval_sends_fewer_chunks_with_the_same_text(pairs):
+    """``stream_interval_s``: after the first token, one chunk per interval carries every token decoded
+    meanwhile; the text is the same, and the stream ends when the request does, not an interval later."""
+    base = pairs["a-plain"]
+    server = PairServer(base.spec.model_copy(update={"model": "paced", "stream_interval_s": 0.25}), target=base.target)
+    prompt = "Item 3: the"
+    try:
+        started = time.perf_counter()
+        events = pair_events(server, {"prompt": prompt, "max_tokens": 48, "temperature": 0})
+        elapsed = time.perf_counter() - started
+    finally:
+        server.shutdown()
+    deltas = [e for e in events if e["type"] == "delta" and e["token_ids"]]
+    assert delta_text(events) == plain_text(base.target, base.target.tokenizer.encode(prompt), 48)
+    assert sum(len(d["token_ids"]) for d in deltas) == events[-1]["usage"]["completion_tokens"] == 48
+    assert len(deltas) <= 2 + elapsed / 0.25  # the first chunk, then at most one per interval
+    assert len(deltas) < 48
+
+
+def test_the_stream_interval_wait_ends_with_the_request():
+    from serve.pair import _Outputs, _put_all, _until_end_or
+
+    async def waited(end_after: float | None, interval: float) -> float:
+        queue = _Outputs()
+        if end_after is not None:
+            asyncio.get_running_loop().call_later(end_after, _put_all, queue, [None])
+        started = time.perf_counter()
+        await _until_end_or(queue, interval)
+        return time.perf_counter() - started
+
+    assert asyncio.run(waited(0.05, 30.0)) < 10.0  # the end marker cuts a 30 s interval short
+    assert asyncio.run(waited(None, 0.2)) >= 0.19  # without one the whole interval passes
+
+
 def test_request_errors_keep_their_fields_through_pickling():
     import pickle
 
