@@ -172,6 +172,7 @@ class Reconciler:
 
     def status(self, name: str) -> dict[str, Any]:
         """What ``eaglectl targets status NAME --json`` prints (docs: platform/README.md "Status")."""
+        check_name(name)  # 400 for a bad name before any registry read
         # the alias before the tags: the gate's results are tagged before the alias moves (``_after_stage``),
         # so a reader that sees a new production head also sees the results that promoted it
         production = self.registry.alias_version(head_model_name(name), PRODUCTION)
