@@ -734,12 +734,17 @@ def _coalesce(items: list[Any]) -> tuple[StepOutput | None, Any]:
     batch steps gets fewer, larger chunks instead of a backlog: every chunk costs Serve's streaming path
     CPU on the machine that decodes), and the end marker if one arrived (None: finished; an exception:
     failed; ``_OPEN``: still running)."""
-    outputs = [item for item in items if isinstance(item, StepOutput)]
-    end = next((item for item in items if not isinstance(item, StepOutput)), _OPEN)
+    outputs = [item for item in items if not _is_end(item)]
+    end = next((item for item in items if _is_end(item)), _OPEN)
     if not outputs:
         return None, end
     merged = StepOutput([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs), outputs[-1].stats)
     return merged, end
+
+
+def _is_end(item: Any) -> bool:
+    """Whether a queued item is a request's end marker (None: finished; an exception: failed), not a step output."""
+    return not isinstance(item, StepOutput)
 
 
 class _Outputs(asyncio.Queue):
@@ -762,7 +767,7 @@ async def _until_end_or(queue: _Outputs, seconds: float) -> None:
 def _put_all(queue: _Outputs, items: list[Any]) -> None:
     for item in items:
         queue.put_nowait(item)
-        if not isinstance(item, StepOutput):
+        if _is_end(item):
             queue.ended.set()
 
 
