@@ -147,8 +147,10 @@ def default_threads() -> int:
     """A replica's torch threads when its pair sets none: every core it may run on but one, which the
     streaming path (Serve's HTTP proxy, the ingress, the replica's event loop) needs. Measured on 2 cores
     (SmolLM2 bf16, compiled, target alone, 16 MT-bench prompts x 128 tokens through HTTP): 1 thread served
-    52 tok/s at 1 client and 109 at 8, 2 threads 38 and 82-98: the decode step's OpenMP team stalls
-    whenever the serving processes take one of its cores (docs/benchmarks.md section 7)."""
+    52 tok/s at 1 client and 109 at 8, 2 threads 38 and 82-98 with eager batches: the decode step's OpenMP
+    team stalls whenever the serving processes take one of its cores. With compiled ``batch_graphs`` and
+    one busy replica, all cores won on both 2-core CPUs measured (docs/benchmarks.md section 7); a pair
+    that has the cores to itself sets ``threads``."""
     return max(1, available_cores() - 1)
 
 
