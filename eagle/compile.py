@@ -46,10 +46,17 @@ class CompileConfig:
         mode: ``"on"`` compiles with torch.compile, ``"off"`` runs eagerly.
         autotune: benchmark GEMM implementations while compiling (inductor ``max_autotune``; slower to
             compile, faster bf16 verification on CPU).
+        cpp_wrapper: on CPU, inductor's C++ wrapper (``cpp_wrapper``): a graph's kernels are called from
+            generated C++ instead of a Python wrapper, and the call releases the GIL for the whole graph
+            (``torch/_inductor/codegen/cpp_wrapper_cpu.py``, ``gil_scoped_release_simple``). That pays where
+            other Python threads share the process: a Serve replica's event loops (SmolLM2 bf16, 2-core
+            EPYC, one pair: 8-row step 35.5 against 42-45 ms in the replica, docs/benchmarks.md section 7);
+            offline it is about level (23.8 against 24.7 ms) and compiling takes about 40 % longer.
     """
 
     mode: str = "on"
     autotune: bool = True
+    cpp_wrapper: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in COMPILE_MODES:
@@ -60,7 +67,7 @@ class CompileConfig:
         return self.mode == "on"
 
 
-def _settings(device: torch.device, autotune: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _settings(device: torch.device, autotune: bool, cpp_wrapper: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """(torch.compile keyword arguments, inductor config patched while the graph compiles). The inductor
     settings are patched around the first call rather than passed as ``options``: ``freezing`` passed that
     way was not applied (the weights stayed graph inputs, bf16 GEMMs ran unpacked, 52 vs 32 ms a step)."""
@@ -69,6 +76,8 @@ def _settings(device: torch.device, autotune: bool) -> tuple[dict[str, Any], dic
     inductor: dict[str, Any] = {"freezing": True}
     if autotune:
         inductor.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+    if cpp_wrapper:
+        inductor["cpp_wrapper"] = True
     return {}, inductor
 
 
@@ -109,7 +118,7 @@ class CompiledFunction:
         self.static_kv = device.type == "cuda"
         self._mask_at = next((i for i, dim in dynamic.items() if dim == 3), None)
         self._keys_at = next((i for i, dim in dynamic.items() if dim == 2), None)
-        arguments, self._inductor = _settings(device, config.autotune)
+        arguments, self._inductor = _settings(device, config.autotune, config.cpp_wrapper)
         self._compiled = torch.compile(fn, dynamic=False, **arguments) if config.enabled else None
 
     def _static(self, args: tuple) -> tuple:

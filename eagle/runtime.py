@@ -169,7 +169,7 @@ class TargetRuntime:
 
     @property
     def rows_model(self) -> LeanModel:
-        """The model the batched path (``eagle.batch``) runs eagerly: under ``compile="on"`` on CPU in
+        """The model prefills and the batched path (``eagle.batch``) run eagerly: under ``compile="on"`` on CPU in
         bf16/fp16 a second ``LeanModel`` whose linears are prepacked for oneDNN (``PackedLinear``), else
         ``self.model``. Why eager: compiled with a dynamic batch dimension, the step ran 3-30x slower
         than eager and erratically (inductor freezing on this CPU, docs/benchmarks.md section 7), and a
@@ -188,11 +188,12 @@ class TargetRuntime:
     @torch.inference_mode()
     def prefill(self, prompt: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """(features ``[n, hidden]``, the head's input ``[n, hidden or 3 x hidden]``) of ``prompt`` ``[n]``,
-        written to cache slots ``0..n-1``."""
+        written to cache slots ``0..n-1``. Runs eagerly on ``rows_model`` (prepacked linears where those
+        apply: 8 MT-bench prompts 0.62-0.64 s against 0.67-0.70 s, docs/benchmarks.md section 7)."""
         n = prompt.numel()
         device = prompt.device
         positions = torch.arange(n, device=device)
-        features, head_input = self.model.hidden(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)
+        features, head_input = self.rows_model.hidden(prompt[None], positions[None], positions, causal_allowed(n, 0, device)[None, None], cache.keys, cache.values)
         return features[0], head_input[0]
 
     def compile_seconds(self) -> dict[str, float]:
@@ -216,7 +217,8 @@ class HeadRuntime:
 
     @property
     def rows_lean(self) -> LeanHead:
-        """The head the batched path runs eagerly (its layer's linears prepacked as ``TargetRuntime.rows_model``'s)."""
+        """The head prefills and the batched path run eagerly (its layer's linears prepacked as
+        ``TargetRuntime.rows_model``'s)."""
         if self._rows_lean is None:
             if self.compile.enabled and packable(self.lean.fc.weight):
                 self._rows_lean = pack_linears(LeanHead(self._head, self._max_positions))
@@ -239,12 +241,13 @@ class HeadRuntime:
 
     @torch.inference_mode()
     def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Head outputs ``[n, hidden]`` over the prompt's pairs (f_j, x_{j+1}), written to slots ``0..n-1``."""
+        """Head outputs ``[n, hidden]`` over the prompt's pairs (f_j, x_{j+1}), written to slots ``0..n-1``
+        (eagerly, on ``rows_lean``)."""
         n = next_tokens.numel()
         device = next_tokens.device
         positions = torch.arange(n, device=device)
         mask = causal_allowed(n, 0, device)[None, None]
-        return self.lean(features[None], next_tokens[None], positions[None], positions, mask, cache.keys, cache.values)[0]
+        return self.rows_lean(features[None], next_tokens[None], positions[None], positions, mask, cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:
         return {f.name: f.compile_s for f in (*self._expand.values(), *self._advance.values()) if f.compile_s is not None}

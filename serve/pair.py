@@ -32,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from eagle.batch import BatchDecoder, BatchRequest, check_graphs
+from eagle.compile import CompileConfig
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
 from eagle.runtime import available_cores, on_own_thread, use_threads
@@ -94,7 +95,8 @@ class PairSpec(BaseModel):
         threads: torch intra-op threads per replica (None: ``default_threads()``, all cores but one); set on
             the decode thread and the threads that load heads (``eagle.runtime.use_threads``).
         tree: the draft tree.
-        compile: ``eagle.compile`` mode ("on": the batched functions compile when the replica starts).
+        compile: ``eagle.compile`` mode ("on": the batched functions compile when the replica starts, on
+            CPU with inductor's C++ wrapper, ``CompileConfig.cpp_wrapper``).
         max_batch_size: requests one replica decodes together (``eagle.batch.BatchDecoder``); more wait.
         batch_graphs: batch sizes whose plain steps run a compiled graph (``compile: on`` only; each in
             ``2..max_batch_size``; a step pads up to the next one): less CPU per step, ~1.5 minutes of
@@ -371,7 +373,8 @@ class PairServer:
     def _ready(self, head) -> tuple[Decoder, BatchDecoder]:
         """A batch decoder whose functions are compiled (auto tree chosen, policy costs measured) before it
         serves a request: on hot swap this runs on the watcher thread while the old head keeps serving."""
-        decoder = Decoder(self.target, head, self.tree, compile=self.spec.compile)
+        # the C++ wrapper runs each graph without the GIL, away from the replica's event loops (eagle.compile)
+        decoder = Decoder(self.target, head, self.tree, compile=CompileConfig(mode=self.spec.compile, cpp_wrapper=True))
         engine = BatchDecoder(decoder, max_batch=self.spec.max_batch_size, max_context=self.spec.max_context, speculate=self.spec.speculate,
                               graphs=self.spec.batch_graphs)
         started = time.perf_counter()

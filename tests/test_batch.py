@@ -335,14 +335,17 @@ def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
 
 
 @pytest.mark.slow
-def test_batch_graphs_pad_plain_steps_and_stay_lossless():
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
+def test_batch_graphs_pad_plain_steps_and_stay_lossless(cpp_wrapper):
     """``graphs=(2, 4)``: plain steps of 2 rows run the 2-row graph, of 3-4 rows the 4-row graph (3 padded
     up), of 5 rows the eager step; drafting steps stay eager. Every output equals plain decoding, and the
-    steps really ran at each of those sizes with both graphs compiled."""
+    steps really ran at each of those sizes with both graphs compiled. Also with inductor's C++ wrapper,
+    which the Serve pairs compile with (``CompileConfig.cpp_wrapper``)."""
     from eagle.compile import CompileConfig
 
     target = _greedy_target()
-    decoder = Decoder(target, good_head(target), TREES["dynamic"], compile=CompileConfig(mode="on", autotune=False))
+    config = CompileConfig(mode="on", autotune=False, cpp_wrapper=cpp_wrapper)
+    decoder = Decoder(target, good_head(target), TREES["dynamic"], compile=config)
     engine = BatchDecoder(decoder, max_batch=5, max_context=128, speculate="auto", graphs=(4, 2))
     assert engine.graphs == (2, 4)
     engine.warmup(repeats=1)
