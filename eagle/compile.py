@@ -50,7 +50,8 @@ class CompileConfig:
             generated C++ instead of a Python wrapper, and the call releases the GIL for the whole graph
             (``torch/_inductor/codegen/cpp_wrapper_cpu.py``, ``gil_scoped_release_simple``). That pays where
             other Python threads share the process: a Serve replica's event loops (SmolLM2 bf16, 2-core
-            EPYC, one pair: 8-row step 35.5 against 42-45 ms in the replica, docs/benchmarks.md section 7);
+            EPYC, one pair: 68-75 against 64-65 tok/s at 1 client; at 8 clients within the spread between
+            replica starts, docs/benchmarks.md section 7);
             offline it is about level (23.8 against 24.7 ms) and compiling takes about 40 % longer.
     """
 
