@@ -51,7 +51,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,6 +107,9 @@ class BatchRequest:
     finish_reason: str | None = None
     error: BaseException | None = None
     resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    queue_s: float | None = None  # from ``submit`` to the start of its prefill
+    prefill_s: float | None = None  # its prefill (target and head forwards, first token)
 
     @property
     def tau(self) -> float | None:
@@ -418,9 +421,13 @@ class BatchDecoder:
     # ---- one step ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[BatchRequest, StepOutput]]:
+    def step(self, on_admit: Callable[[], None] | None = None) -> list[tuple[BatchRequest, StepOutput]]:
         """Admit queued requests, advance every live request by one target forward, retire finished ones.
-        Returns the outputs of this step (prefill outputs of admitted requests included)."""
+        Returns the outputs of this step (prefill outputs of admitted requests included).
+
+        ``on_admit``: called after each admitted request's prefill, before the next one's, so a server can
+        hand that request its first token while the rest of a wave of arrivals is still being prefilled
+        (their outputs are already in ``request.outputs``)."""
         events: list[tuple[BatchRequest, StepOutput]] = []
         self._drop_cancelled()
         while len(self.rows) < self.max_batch:
@@ -428,14 +435,20 @@ class BatchDecoder:
                 if not self._queue:
                     break
                 request = self._queue.popleft()
+            started = time.perf_counter()
+            request.queue_s = started - request.submitted_at
             try:
                 output = self._admit(request)
             except Exception as err:  # noqa: BLE001 - a request that cannot start fails alone
                 self._fail(request, err)
-                continue
+                output = None
+            finally:
+                request.prefill_s = time.perf_counter() - started
             if output is not None:
                 events.append((request, output))
                 request.outputs.append(output)
+            if on_admit is not None:
+                on_admit()
         self._retire()
         if not self.rows:
             return events

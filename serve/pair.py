@@ -454,7 +454,7 @@ class PairServer:
                     engines = [engine for engine in self._engines if not engine.idle]
                     self._progress_at = time.monotonic()
                 for engine in engines:
-                    engine.step()
+                    engine.step(on_admit=self._deliver)  # a wave's first tokens go out as each prefill ends
                     self._progress_at = time.monotonic()
                 self._deliver()
         except BaseException as err:  # noqa: BLE001 - the replica is unusable: health checks report it
@@ -703,6 +703,8 @@ class PairServer:
                 "draft_s": round(sum(s.draft_s for s in steps), 6),
                 "verify_s": round(sum(s.verify_s for s in steps), 6),
                 "time_to_first_token_s": round(first_token_s or 0.0, 6),
+                "queue_s": round(queued.queue_s, 6) if queued is not None and queued.queue_s is not None else None,
+                "prefill_s": round(queued.prefill_s, 6) if queued is not None and queued.prefill_s is not None else None,
                 "total_s": round(total_s, 6),
                 "resumed_tokens": len(resume.token_ids),
                 "replica": _replica_id(),

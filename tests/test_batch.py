@@ -228,6 +228,27 @@ def test_cancel_frees_the_row_and_others_continue():
     assert second.token_ids == _plain(target, prompts[1], config)
 
 
+def test_a_wave_of_arrivals_hands_out_each_first_token_as_its_prefill_ends():
+    target = _greedy_target()
+    engine = BatchDecoder(Decoder(target, None), max_batch=4, max_context=64)
+    config = GenerationConfig(max_new_tokens=6, stop_token_ids=[])
+    requests = [engine.submit(p, config) for p in _prompts(3, 5)]
+    seen: list[list[int]] = []  # at each call: how many outputs each request has
+
+    def on_admit() -> None:
+        seen.append([len(r.outputs) for r in requests])
+
+    events = engine.step(on_admit=on_admit)
+    # the first request's first token exists before the second's prefill runs, and so on; then the step
+    assert seen == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert [len(r.outputs) for r in requests] == [2, 2, 2] and len(events) == 6
+    for request in requests:
+        assert request.queue_s is not None and request.queue_s >= 0
+        assert request.prefill_s is not None and request.prefill_s > 0
+    engine.run_until_done()
+    assert [r.token_ids for r in requests] == [_plain(target, r.prompt_ids, config) for r in requests]
+
+
 def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
     # speculative steps cost 2x a plain step at batch 1 and 6x at batch 8 (verification turns compute-bound)
     policy = SpeculationPolicy({1: 10.0, 8: 20.0}, {1: 20.0, 8: 120.0}, prior_tau=3.0, explore_every=1000)

@@ -59,6 +59,8 @@ def test_completion_at_t0_equals_plain_decoding_for_each_pair(client, pairs):
         assert body["object"] == "text_completion" and body["model"] == model
         assert body["usage"]["completion_tokens"] <= 24
         assert body["eagle"]["speculative"] is (model != "a-plain")
+        eagle = body["eagle"]
+        assert eagle["queue_s"] >= 0 and 0 < eagle["prefill_s"] < eagle["total_s"]
     # the two targets differ, so routing to the wrong pair would have failed one of the equalities above
     a = client.post("/v1/completions", json={"model": "a", "prompt": "Hello", "max_tokens": 16, "temperature": 0}).json()
     b = client.post("/v1/completions", json={"model": "b", "prompt": "Hello", "max_tokens": 16, "temperature": 0}).json()
@@ -280,7 +282,7 @@ def test_check_health_notices_a_stuck_decode_loop(pairs):
     release = threading.Event()
     engine = server._loaded.engine
     real_step = engine.step
-    engine.step = lambda: (release.wait(), real_step())[1]  # the fault: a step that hangs until released
+    engine.step = lambda **kw: (release.wait(), real_step(**kw))[1]  # the fault: a step that hangs until released
     try:
         server.check_health()  # idle: healthy however long it has been quiet
 
@@ -471,7 +473,7 @@ def memo(pairs, tmp_path_factory):
     decode steps accept several tokens there (a cut can fall inside a step)."""
     target = pairs["a"].target
     head_dir = memorised_head_dir(target, tmp_path_factory.mktemp("memo") / "head", MEMO_PROMPTS, 48)
-    server = PairServer(PairSpec(model="memo", target=pairs["a"].spec.target, head=str(head_dir), dtype="float32", max_tokens=64, compile="off"), target=target)
+    server = PairServer(PairSpec(model="memo", target=pairs["a"].spec.target, head=str(head_dir), dtype="float32", max_tokens=64, compile="off", speculate="always"), target=target)
     yield server
     server.shutdown()
 

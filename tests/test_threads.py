@@ -49,9 +49,9 @@ in_thread(lambda: (use_threads(2), probe("new thread, use_threads(2)")))
 on_own_thread(probe, "on_own_thread", threads=2)
 
 step = BatchDecoder.step
-def recording_step(self):
+def recording_step(self, **kwargs):
     probe("decode thread")
-    return step(self)
+    return step(self, **kwargs)
 BatchDecoder.step = recording_step
 server = PairServer(PairSpec(model="m", target=str(tiny_chat_target_dir(__import__("pathlib").Path(sys.argv[2]))),
                              dtype="float32", compile="off", threads=2, max_tokens=4))

@@ -78,5 +78,8 @@ for c in a.conc:
     # per-row verify time summed over rows = sum over steps of step time; steps counted per row
     step_time = vs / (steps / bm)
     print(json.dumps({"c": c, "tok_s": lv["tokens_per_s"], "wall": lv["wall_s"], "ttft_p50": lv["ttft_p50_s"], "lat_p50": lv["latency_p50_s"],
-           "batch_mean": round(bm, 2), "step_ms_in_replica": round(1000 * step_time, 2), "cpu": cpu}), flush=True)
+           "batch_mean": round(bm, 2), "step_ms_in_replica": round(1000 * step_time, 2),
+           "prefill_ms_mean": round(1000 * sum(r["eagle"].get("prefill_s") or 0 for r in recs) / len(recs), 1),
+           "queue_ms_p50": round(1000 * sorted(r["eagle"].get("queue_s") or 0 for r in recs)[len(recs) // 2], 1),
+           "cpu": cpu}), flush=True)
 serve.shutdown(); ray.shutdown()
