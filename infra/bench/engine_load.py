@@ -4,7 +4,7 @@ time (a finished request's place is taken at once), 128 new tokens, greedy. Prin
 time went (prefills of admitted requests against batched steps). The engine's ceiling on this machine,
 next to what the pairs serve through HTTP (docs/benchmarks.md section 7).
 
-    .venv/bin/python infra/bench/engine_load.py --concurrency 8 --graphs 8 --threads 1 [--runs 2]
+    .venv/bin/python infra/bench/engine_load.py --concurrency 8 --graphs 8 --threads 1 [--runs 2] [--cpp-wrapper]
 """
 
 from __future__ import annotations
@@ -34,13 +34,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--cpp-wrapper", action="store_true", help="compile with inductor's C++ wrapper, as the Serve pair does")
     parser.add_argument("--no-autotune", action="store_true", help="compile without inductor's GEMM autotuning (eagle.compile)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     use_threads(args.threads)
     target = load_target("smollm2-135m", dtype="bfloat16")
     prompts = [target.encode(p.text, chat=True) for p in load_prompts(None, 16) if p.text]
-    engine = BatchDecoder(Decoder(target, None, compile=CompileConfig(mode="on", autotune=not args.no_autotune)), max_batch=args.max_batch, graphs=tuple(args.graphs))
+    engine = BatchDecoder(Decoder(target, None, compile=CompileConfig(mode="on", autotune=not args.no_autotune, cpp_wrapper=args.cpp_wrapper)), max_batch=args.max_batch, graphs=tuple(args.graphs))
     started = time.perf_counter()
     report = engine.warmup()
     logger.info("warm-up %.0f s; plain step ms by batch size: %s", time.perf_counter() - started, report.get("plain_ms"))
