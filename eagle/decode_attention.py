@@ -10,8 +10,8 @@ the dispatcher, without the GIL.
 
 The source is compiled once per machine with ``torch.utils.cpp_extension`` (about 20 s; g++ and ninja, both
 already needed by inductor and DeepSpeed) into ``TORCH_EXTENSIONS_DIR``, under a name that includes a hash of
-the CPU's flags: the build uses ``-march=native``, so a cache shared between machines never hands one CPU's
-binary to another. Where the build fails the caller falls back to SDPA and the failure is logged once.
+the CPU's flags: the build uses ``-march=native``, so machines whose CPUs report different flags never share
+a binary through a shared cache. Where the build fails the caller falls back to SDPA and the failure is logged once.
 ``EAGLE_DECODE_ATTENTION=0`` turns the kernel off (for side-by-side measurements)."""
 
 from __future__ import annotations
@@ -71,15 +71,15 @@ def built() -> bool:
 
 @torch.compiler.assume_constant_result
 def ready() -> bool:
-    """The kernel is on (``enabled``) and built."""
-    return enabled() and _library()
+    """The kernel is on (``enabled``) and built (``built``)."""
+    return enabled() and built()
 
 
 def applies(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> bool:
     """Whether ``attention`` hands these shapes to the kernel: a CPU bf16 decode step (query ``[B, heads, q,
     d]`` with ``heads / kv_heads * q <= 8``, d 64 or 128, the last dimension contiguous) under a bool mask
-    ``[B, 1, q, kv]``, the kernel on and built. fp32 keeps
-    SDPA: the lossless tests' reference path stays PyTorch's own."""
+    ``[B, 1, q, kv]``, the kernel on and built. fp32 keeps SDPA: the lossless tests' reference path stays
+    PyTorch's own."""
     heads, q, dim = query.shape[1], query.shape[2], query.shape[3]
     return (
         query.device.type == "cpu"
