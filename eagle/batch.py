@@ -7,7 +7,10 @@ settings, seed and stop rules; a step is
 
 1. *policy*: draft this step or not (``SpeculationPolicy``: measured costs and the acceptance seen so far);
 2. *catch-up*: the head consumes the target's features of every row's newly committed tokens
-   (batched, one head forward);
+   (batched, one head forward; a row with more than the compiled catch-up takes, on its own). A newly
+   admitted row's prompt is among them: its prefill runs the target alone, and the head consumes the
+   prompt at the row's first speculative step, so a request the policy never drafts for never runs the
+   head;
 3. *draft*: one batched tree per row (``eagle.tree.draft_tree_rows``: one head call per depth for all rows),
    or only the root when the policy says no;
 4. *verify*: one target forward over ``[B, W]`` tokens, row b's tree in row b, under a per-row tree mask
@@ -109,7 +112,7 @@ class BatchRequest:
     resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
     submitted_at: float = field(default_factory=time.perf_counter)
     queue_s: float | None = None  # from ``submit`` to the start of its prefill
-    prefill_s: float | None = None  # its prefill (target and head forwards, first token)
+    prefill_s: float | None = None  # its prefill (the target's forward, first token; the head's waits for a draft)
 
     @property
     def tau(self) -> float | None:
@@ -504,9 +507,10 @@ class BatchDecoder:
                 root = sample_token(processed_probs(logits[0].float(), sampling), generator)
         row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
         if self.heads is not None:
-            next_tokens = torch.cat([ids[1:], torch.tensor([root], device=device)])
-            row.last_hidden = self.heads.prefill(head_input, next_tokens, self.head_cache.row(index))[-1]
-            row.head_committed = len(prompt)
+            # the head's prefill waits for the row's first speculative step (``_catch_up``): while the
+            # policy decodes plainly a request can finish without ever running the head
+            row.pending_features.append(head_input)
+            row.pending_tokens.extend(prompt[1:] + [root])
         self.rows.append(row)
         request.token_ids.extend(resumed or [root])
         output = None
@@ -568,56 +572,51 @@ class BatchDecoder:
         return events
 
     def _catch_up(self) -> None:
-        """The head consumes every row's pending (feature, next token) pairs: one batched forward when they
-        fit the compiled catch-up width, else per row, eagerly (after plain steps)."""
-        if not any(row.pending for row in self.rows):
-            return
+        """The head consumes every row's pending (feature, next token) pairs: first each row with more of
+        them than the compiled catch-up width takes (a newly admitted prompt, many plain steps) on its own,
+        eagerly; then the rest in one batched forward."""
         width = self.decoder._widths()["advance"][0]
-        device = self.target.device
         rows = self.rows
-        if max(row.pending for row in rows) <= width:
-            batch = len(rows)
-            features = torch.zeros(batch, width, self.heads.lean.input_size, dtype=rows[0].pending_features[0].dtype, device=device)
-            tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
-            counts = torch.tensor([row.pending for row in rows], device=device)
-            for b, row in enumerate(rows):
-                if row.pending:
-                    features[b, : row.pending] = torch.cat(row.pending_features)
-                    tokens[b, : row.pending] = torch.tensor(row.pending_tokens, device=device)
-            prefix = torch.tensor([row.head_committed for row in rows], device=device)
-            offsets = torch.arange(width, device=device)
-            positions = prefix[:, None] + torch.minimum(offsets[None], (counts - 1).clamp(min=0)[:, None])
-            slots = prefix[:, None] + offsets[None]
-            real = offsets[None] < counts[:, None]  # [B, W]
-            local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
-            local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
-            mask = rows_mask(prefix, real, local, int(prefix.max()) + width)[:, None]
-            if self._single(batch):
-                view = self.head_cache.row(0)
-                hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask, view.keys, view.values)
-            else:
-                hidden = self.heads.rows_lean(features, tokens, positions, slots, mask, self.head_cache.keys, self.head_cache.values)
-            for b, row in enumerate(rows):
-                if not row.pending:
-                    continue
-                row.last_hidden = hidden[b, row.pending - 1]
-                row.head_committed += row.pending
-                row.pending_features.clear()
-                row.pending_tokens.clear()
+        for index, row in enumerate(rows):
+            if row.pending > width:
+                features = torch.cat(row.pending_features)
+                tokens = torch.tensor(row.pending_tokens, device=self.target.device)
+                row.last_hidden = self.heads.prefill(features, tokens, self.head_cache.row(index), start=row.head_committed)[-1]
+                self._consumed(row)
+        if not any(row.pending for row in rows):
             return
-        for index, row in enumerate(rows):  # eager, one row at a time
-            if not row.pending:
-                continue
-            view = self.head_cache.row(index)
-            features = torch.cat(row.pending_features)[None]
-            q = row.pending
-            positions = torch.arange(row.head_committed, row.head_committed + q, device=device)
-            mask = causal_allowed(q, row.head_committed, device)[None, None]
-            hidden = self.heads.lean(features, torch.tensor([row.pending_tokens], device=device), positions[None], positions, mask, view.keys, view.values)
-            row.last_hidden = hidden[0, -1]
-            row.head_committed += q
-            row.pending_features.clear()
-            row.pending_tokens.clear()
+        device = self.target.device
+        batch = len(rows)
+        features = torch.zeros(batch, width, self.heads.lean.input_size, dtype=next(r for r in rows if r.pending).pending_features[0].dtype, device=device)
+        tokens = torch.zeros(batch, width, dtype=torch.long, device=device)
+        counts = torch.tensor([row.pending for row in rows], device=device)
+        for b, row in enumerate(rows):
+            if row.pending:
+                features[b, : row.pending] = torch.cat(row.pending_features)
+                tokens[b, : row.pending] = torch.tensor(row.pending_tokens, device=device)
+        prefix = torch.tensor([row.head_committed for row in rows], device=device)
+        offsets = torch.arange(width, device=device)
+        positions = prefix[:, None] + torch.minimum(offsets[None], (counts - 1).clamp(min=0)[:, None])
+        slots = prefix[:, None] + offsets[None]
+        real = offsets[None] < counts[:, None]  # [B, W]
+        local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
+        local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
+        mask = rows_mask(prefix, real, local, int(prefix.max()) + width)[:, None]
+        if self._single(batch):
+            view = self.head_cache.row(0)
+            hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask, view.keys, view.values)
+        else:
+            hidden = self.heads.rows_lean(features, tokens, positions, slots, mask, self.head_cache.keys, self.head_cache.values)
+        for b, row in enumerate(rows):
+            if row.pending:
+                row.last_hidden = hidden[b, row.pending - 1]
+                self._consumed(row)
+
+    @staticmethod
+    def _consumed(row: _Row) -> None:
+        row.head_committed += row.pending
+        row.pending_features.clear()
+        row.pending_tokens.clear()
 
     def _root_only(self, row: _Row) -> DraftTree:
         return root_only(torch.tensor([row.root], device=self.target.device))

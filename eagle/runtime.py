@@ -240,13 +240,14 @@ class HeadRuntime:
         return self.lean.new_cache(capacity, rows)
 
     @torch.inference_mode()
-    def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Head outputs ``[n, hidden]`` over the prompt's pairs (f_j, x_{j+1}), written to slots ``0..n-1``
-        (eagerly, on ``rows_lean``)."""
+    def prefill(self, features: torch.Tensor, next_tokens: torch.Tensor, cache: KVCache, start: int = 0) -> torch.Tensor:
+        """Head outputs ``[n, hidden]`` over the pairs (f_j, x_{j+1}) at positions ``start..start+n-1``,
+        written to those cache slots (eagerly, on ``rows_lean``): the prompt's pairs (``start`` 0), or a
+        batch row's catch-up over more pairs than a compiled catch-up takes."""
         n = next_tokens.numel()
         device = next_tokens.device
-        positions = torch.arange(n, device=device)
-        mask = causal_allowed(n, 0, device)[None, None]
+        positions = torch.arange(start, start + n, device=device)
+        mask = causal_allowed(n, start, device)[None, None]
         return self.rows_lean(features[None], next_tokens[None], positions[None], positions, mask, cache.keys, cache.values)[0]
 
     def compile_seconds(self) -> dict[str, float]:

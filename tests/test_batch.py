@@ -123,6 +123,47 @@ def test_target_alone_batches_plain_decoding():
         assert all(step.tree_size == 0 and step.policy == "plain" for step in request.steps)
 
 
+def test_the_head_consumes_a_prompt_only_when_its_row_first_drafts():
+    """Admitting a request runs the target alone: the prompt's (feature, next token) pairs wait with those of
+    the plain steps since, and the catch-up before the row's first draft leaves the head where a head
+    prefilled over the whole committed context would be, whether the row catches up on its own (more pairs
+    than the compiled catch-up takes) or in the batched forward beside rows that do."""
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target), TREES["dynamic"])
+    engine = BatchDecoder(decoder, max_batch=3, max_context=128, speculate="never")
+    width = decoder._widths()["advance"][0]
+    long_prompts = [p for p in _prompts(12, 5) if len(p) > width]
+    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+
+    def assert_caught_up():
+        for index, row in enumerate(engine.rows):
+            assert row.pending == 0 and row.head_committed == row.committed
+            committed = row.context[: row.committed]
+            _, features = decoder.runtime.prefill(torch.tensor(committed), decoder.runtime.new_cache(128))
+            cache = decoder.head_runtime.new_cache(128)
+            alone = decoder.head_runtime.prefill(features, torch.tensor(committed[1:] + [row.root]), cache)
+            torch.testing.assert_close(row.last_hidden, alone[-1], atol=1e-5, rtol=1e-5)
+            view, n = engine.head_cache.row(index), row.committed
+            for got, want in zip(view.keys + view.values, cache.keys + cache.values):
+                torch.testing.assert_close(got[:, :, :n], want[:, :, :n], atol=1e-5, rtol=1e-5)
+
+    for prompt in long_prompts[:2]:
+        engine.submit(prompt, config)
+    engine.step()
+    engine.step()
+    assert all(row.head_committed == 0 and row.last_hidden is None and row.pending == row.committed for row in engine.rows)
+    with torch.inference_mode():
+        engine._catch_up()  # both rows on their own: their prompts are longer than the width
+    assert_caught_up()
+    engine.step()  # one plain step: a pair each, within the width
+    engine.submit(long_prompts[2], config)
+    engine.step()  # admits the third row, whose prompt is still pending
+    assert [row.pending <= width for row in engine.rows] == [True, True, False]
+    with torch.inference_mode():
+        engine._catch_up()  # the new row alone, then the other two in one batched forward
+    assert_caught_up()
+
+
 @pytest.mark.parametrize("spec", [DynamicTree(depth=4, top_k=3, total_tokens=10), StaticTree(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))])
 def test_batched_drafting_drafts_each_rows_single_request_tree(spec):
     target = _greedy_target()
