@@ -61,6 +61,17 @@ def _rebuild_request_error(message: str, param: str | None, code: str | None) ->
 
 
 WATCH_S = 30.0  # the registry poll interval of a models:/...@alias head, unless a pair sets its own
+MAX_SHARED_INTERVAL_S = 1.0  # the longest wait between two chunks that a replica's chunk budget imposes
+
+
+def chunk_interval(open_streams: int, minimum_s: float, chunks_per_s: float | None) -> float:
+    """Seconds a stream waits between two chunks: ``minimum_s`` (``stream_interval_s``), or the stream's
+    share of the replica's chunk budget when that is longer (``open_streams / chunks_per_s``, capped at
+    ``MAX_SHARED_INTERVAL_S``). Each chunk costs the replica, the ingress and the HTTP proxy CPU on the
+    cores that decode (docs/benchmarks.md section 7: 0.5 s chunks served 188-192 tok/s at 8 clients
+    against 169-174 for 0.1 s on one start of one pair)."""
+    share = min(open_streams / chunks_per_s, MAX_SHARED_INTERVAL_S) if chunks_per_s else 0.0
+    return max(minimum_s, share)
 
 
 class TreeSettings(BaseModel):
@@ -109,6 +120,10 @@ class PairSpec(BaseModel):
             token (which goes out at once): tokens decoded meanwhile go out together. Every chunk costs the
             streaming path (replica, ingress, HTTP proxy) CPU on the cores that decode; 0 sends every step's
             tokens as their own chunk.
+        stream_chunks_per_s: the most chunks per second the replica's open streams send together: with n
+            streams open, a stream waits at least ``n / stream_chunks_per_s`` seconds between chunks (at most
+            ``MAX_SHARED_INTERVAL_S``), so the streaming path's CPU stays bounded as the batch grows instead
+            of growing with it (``chunk_interval``). None (default): each stream keeps ``stream_interval_s``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -130,6 +145,7 @@ class PairSpec(BaseModel):
     speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
     stuck_after_s: float = Field(120.0, gt=0)
     stream_interval_s: float = Field(0.0, ge=0, le=1.0)
+    stream_chunks_per_s: float | None = Field(None, gt=0)
 
     @field_validator("device")
     @classmethod
@@ -319,6 +335,7 @@ class PairServer:
         self._closed = False
         self._loop_error: str | None = None
         self._progress_at = time.monotonic()  # the decode loop's last step, or when it woke up to work
+        self._open_streams = 0  # ``stream`` generators between their first chunk and their end (the event loop's)
         self._max_prompt_bytes = _max_prompt_bytes(self.target.tokenizer, self._loaded.engine.max_context)
         self._decode_thread = threading.Thread(target=self._decode_loop, name=f"decode-{self.spec.model}", daemon=True)
         self._decode_thread.start()
@@ -523,6 +540,8 @@ class PairServer:
             "max_batch_size": self.spec.max_batch_size,
             "batch_graphs": list(self.spec.batch_graphs),
             "stream_interval_s": self.spec.stream_interval_s,
+            "stream_chunks_per_s": self.spec.stream_chunks_per_s,
+            "open_streams": self._open_streams,
             "active_requests": sum(engine.active for engine in self._engines),
             "speculation_policy": loaded.engine.policy.report(),
             "dtype": self.spec.dtype,
@@ -646,7 +665,7 @@ class PairServer:
         tokens = len(resume.token_ids)
         finish = resume.finish or "length"
         first_token_s: float | None = None
-        interval = self.spec.stream_interval_s
+        self._open_streams += 1
         try:
             if resume.released:
                 yield {"type": "delta", "text": resume.released, "token_ids": []}
@@ -662,6 +681,7 @@ class PairServer:
                     if hit:
                         finish = "stop"
                         break
+                    interval = chunk_interval(self._open_streams, self.spec.stream_interval_s, self.spec.stream_chunks_per_s)
                     if interval and end is _OPEN:
                         await _until_end_or(queue, interval)  # the next chunk takes what the steps meanwhile made
                 if end is not _OPEN:
@@ -676,6 +696,7 @@ class PairServer:
             self._metrics.failed("error")
             raise
         finally:
+            self._open_streams -= 1
             if queued is not None and not queued.done:
                 loaded.engine.cancel(queued)  # a stop string, or the client went away: free the row
                 with self._work:

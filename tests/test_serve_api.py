@@ -345,6 +345,39 @@ def test_a_stream_interval_sends_fewer_chunks_with_the_same_text(pairs):
     assert len(deltas) < 48
 
 
+def test_a_chunk_budget_stretches_each_streams_interval_with_the_streams_open(pairs):
+    """``stream_chunks_per_s``: with n streams open a stream waits n / budget seconds between chunks (never less
+    than ``stream_interval_s``, never more than ``MAX_SHARED_INTERVAL_S``); the text is unchanged."""
+    from serve.pair import MAX_SHARED_INTERVAL_S, chunk_interval
+
+    assert chunk_interval(8, 0.1, None) == 0.1
+    assert chunk_interval(1, 0.1, 16) == 0.1
+    assert chunk_interval(8, 0.1, 16) == 0.5
+    assert chunk_interval(4, 0.0, 16) == 0.25
+    assert chunk_interval(100, 0.1, 16) == MAX_SHARED_INTERVAL_S
+    base = pairs["a-plain"]
+    server = PairServer(base.spec.model_copy(update={"model": "budgeted", "stream_chunks_per_s": 8.0}), target=base.target)
+    prompts = ["Item 3: the", "Item 4: a"]
+
+    async def run_both():
+        async def events(prompt):
+            return [event async for event in server.stream({"prompt": prompt, "max_tokens": 48, "temperature": 0})]
+        return await asyncio.gather(*(events(p) for p in prompts))
+
+    try:
+        started = time.perf_counter()
+        results = asyncio.run(run_both())
+        elapsed = time.perf_counter() - started
+        assert server.info()["open_streams"] == 0
+    finally:
+        server.shutdown()
+    for prompt, events in zip(prompts, results):
+        deltas = [e for e in events if e["type"] == "delta" and e["token_ids"]]
+        assert delta_text(events) == plain_text(base.target, base.target.tokenizer.encode(prompt), 48)
+        assert len(deltas) <= 2 + elapsed / 0.125  # 0.25 s apart while both are open, 0.125 s once one ended
+        assert len(deltas) < 48
+
+
 def test_the_stream_interval_wait_ends_with_the_request():
     from serve.pair import _Outputs, _put_all, _until_end_or
 

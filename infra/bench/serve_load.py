@@ -124,7 +124,7 @@ def ours(args, prompts: list[str]) -> list[dict]:
     from serve.app import build_app
     port = free_port()
     common = {"target": "smollm2-135m", "dtype": args.dtype, "compile": "on", "threads": args.threads, "num_cpus": 0.5,
-              "max_batch_size": args.max_batch, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
+              "max_batch_size": args.max_batch, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "stream_chunks_per_s": args.stream_chunks_per_s, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
               "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas}}
     pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
              {"model": "smollm2-135m", "head": None, **common}]
@@ -195,6 +195,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch threads per replica (default: the pair's, all cores but one)")
     parser.add_argument("--replicas", type=int, default=1, help="replicas per pair (each decodes its own batch at --threads)")
     parser.add_argument("--batch-graphs", type=int, nargs="*", default=[], help="the pairs' batch_graphs (compiled plain steps per batch size)")
+    parser.add_argument("--stream-chunks-per-s", type=float, default=None, help="the pairs' stream_chunks_per_s (a replica's chunk budget, shared by its open streams)")
     parser.add_argument("--stream-interval", type=float, default=0.0, help="the pairs' stream_interval_s (shortest time between two chunks of a stream)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every cell, pooled (models alternate A B B A)")
     parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
@@ -225,7 +226,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "vllm_head": args.vllm_head, "vllm_spec_tokens": args.vllm_spec_tokens, "head": args.head, "dtype": args.dtype, "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "stream_chunks_per_s": args.stream_chunks_per_s, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "vllm_head": args.vllm_head, "vllm_spec_tokens": args.vllm_spec_tokens, "head": args.head, "dtype": args.dtype, "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))

@@ -3,8 +3,13 @@
 infra/bench/serve_load.py, and the decode step's time inside the replica: the responses' ``eagle.verify_s``
 summed over requests is the time the replica spent in batched steps (each step's time is split over its rows).
 
+``--budget B`` (docs/benchmarks.md section 7, 'A chunk budget per replica', two-pairs.txt in
+docs/bench/serve-epyc-budget/): a second target-alone pair, "budget", alike but for ``stream_chunks_per_s``
+B, and each concurrency measured in ``--order`` (A: the first pair, B: "budget").
+
     RAY_worker_niceness=0 (the nice-0 run only) .venv/bin/python docs/bench/serve-epyc/one_pair.py \
         --threads 2 --graphs 4 8 16 --conc 8 1 4 16
+    .venv/bin/python docs/bench/serve-epyc/one_pair.py --threads 2 --graphs 4 8 16 --conc 8 4 --budget 16 --order ABBA
 """
 import asyncio, json, os, sys, time, argparse, logging
 from pathlib import Path
@@ -37,6 +42,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--threads", type=int, default=2); p.add_argument("--graphs", type=int, nargs="*", default=[16])
 p.add_argument("--interval", type=float, default=0.1); p.add_argument("--conc", type=int, nargs="+", default=[8, 1])
 p.add_argument("--spy", action="store_true")
+p.add_argument("--budget", type=float, default=None); p.add_argument("--order", default="A")
 a = p.parse_args()
 logging.basicConfig(level=logging.INFO)
 import ray
@@ -49,6 +55,8 @@ common = {"target": "smollm2-135m", "dtype": "bfloat16", "compile": "on", "threa
           "max_batch_size": 16, "batch_graphs": a.graphs, "stream_interval_s": a.interval, "max_ongoing_requests": 16, "max_queued_requests": 64,
           "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": 1, "max_replicas": 1}}
 pairs = [{"model": "smollm2-135m", "head": None, **common}]
+if a.budget:
+    pairs.append({"model": "budget", "head": None, **common, "stream_chunks_per_s": a.budget})
 init_ray(num_cpus=os.cpu_count())
 port = free_port()
 serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -63,23 +71,25 @@ while True:
 logging.info("pair up in %.0f s", time.perf_counter() - t0)
 out = []
 for c in a.conc:
-    asyncio.run(lt.run_level(base, "smollm2-135m", prompts[:1], 1, 8, 600))
-    before = cpu_seconds()
-    if a.spy:
-        import subprocess
-        pid = [pid for pid, (name, _) in before.items() if "ServeReplica:bench:pair" in name][0]
-        spy = subprocess.Popen(["py-spy", "record", "--native", "--threads", "--idle", "-r", "50", "-d", "6", "-p", str(pid), "--format", "raw", "-o", f"spy-c{c}.txt"])
-    lv = asyncio.run(lt.run_level(base, "smollm2-135m", prompts, c, 128, 1200))
-    cpu = cpu_spent(before, cpu_seconds())
-    recs = lv["records"]
-    steps = sum(r["eagle"]["target_forwards"] - 1 for r in recs)
-    vs = sum(r["eagle"]["verify_s"] for r in recs)
-    bm = sum(r["eagle"]["batch_size_mean"] * (r["eagle"]["target_forwards"] - 1) for r in recs) / steps
-    # per-row verify time summed over rows = sum over steps of step time; steps counted per row
-    step_time = vs / (steps / bm)
-    print(json.dumps({"c": c, "tok_s": lv["tokens_per_s"], "wall": lv["wall_s"], "ttft_p50": lv["ttft_p50_s"], "lat_p50": lv["latency_p50_s"],
-           "batch_mean": round(bm, 2), "step_ms_in_replica": round(1000 * step_time, 2),
-           "prefill_ms_mean": round(1000 * sum(r["eagle"].get("prefill_s") or 0 for r in recs) / len(recs), 1),
-           "queue_ms_p50": round(1000 * sorted(r["eagle"].get("queue_s") or 0 for r in recs)[len(recs) // 2], 1),
-           "cpu": cpu}), flush=True)
+    for which in a.order:
+        model = "smollm2-135m" if which == "A" else "budget"
+        asyncio.run(lt.run_level(base, model, prompts[:1], 1, 8, 600))
+        before = cpu_seconds()
+        if a.spy:
+            import subprocess
+            pid = [pid for pid, (name, _) in before.items() if "ServeReplica:bench:pair" in name][0]
+            spy = subprocess.Popen(["py-spy", "record", "--native", "--threads", "--idle", "-r", "50", "-d", "6", "-p", str(pid), "--format", "raw", "-o", f"spy-c{c}.txt"])
+        lv = asyncio.run(lt.run_level(base, model, prompts, c, 128, 1200))
+        cpu = cpu_spent(before, cpu_seconds())
+        recs = lv["records"]
+        steps = sum(r["eagle"]["target_forwards"] - 1 for r in recs)
+        vs = sum(r["eagle"]["verify_s"] for r in recs)
+        bm = sum(r["eagle"]["batch_size_mean"] * (r["eagle"]["target_forwards"] - 1) for r in recs) / steps
+        # per-row verify time summed over rows = sum over steps of step time; steps counted per row
+        step_time = vs / (steps / bm)
+        print(json.dumps({"model": model, "c": c, "tok_s": lv["tokens_per_s"], "wall": lv["wall_s"], "ttft_p50": lv["ttft_p50_s"], "lat_p50": lv["latency_p50_s"],
+               "batch_mean": round(bm, 2), "step_ms_in_replica": round(1000 * step_time, 2),
+               "prefill_ms_mean": round(1000 * sum(r["eagle"].get("prefill_s") or 0 for r in recs) / len(recs), 1),
+               "queue_ms_p50": round(1000 * sorted(r["eagle"].get("queue_s") or 0 for r in recs)[len(recs) // 2], 1),
+               "cpu": cpu}), flush=True)
 serve.shutdown(); ray.shutdown()
