@@ -87,7 +87,8 @@ def main() -> int:
                 live.remove(request)
                 tokens += sum(len(o.token_ids) for o in request.outputs)
         wall = time.perf_counter() - started
-        made = {k: v - decisions.get(k, 0) for k, v in engine.policy.decisions.items()}
+        # the target alone never asks the policy: every step is plain
+        made = {k: v - decisions.get(k, 0) for k, v in engine.policy.decisions.items()} if head else {"plain": steps}
         logger.info("%s, concurrency %d, graphs %s, %d thread(s), autotune %s: %d tokens in %.2f s = %.1f tok/s; %d steps; prefills %.2f s (the head's %.2f), batched steps %.2f s; "
                     "by decision (s, prefills included): plain %.2f, explore %.2f, draft %.2f; decisions %s",
                     "EAGLE pair" if head else "target alone", concurrency, args.graphs, args.threads, not args.no_autotune, tokens, wall, tokens / wall, steps,
