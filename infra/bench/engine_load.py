@@ -48,7 +48,7 @@ def main() -> int:
     started = time.perf_counter()
     report = engine.warmup()
     logger.info("warm-up %.0f s; plain step ms by batch size: %s", time.perf_counter() - started, report.get("plain_ms"))
-    spent = {"prefill": 0.0, "steps": 0.0, "draft": 0.0, "explore": 0.0, "plain": 0.0, "head_prefill": 0.0}
+    spent = dict.fromkeys(("prefill", "head_prefill", "steps", "plain", "explore", "draft"), 0.0)
     admit, advance = engine._admit, engine._advance
 
     def timed(name, fn):
@@ -71,7 +71,7 @@ def main() -> int:
         return decision
     engine.policy.choose = chosen
     for concurrency in [c for c in args.concurrency for _ in range(args.runs)]:
-        spent.update(prefill=0.0, steps=0.0, draft=0.0, explore=0.0, plain=0.0, head_prefill=0.0)
+        spent.update(dict.fromkeys(spent, 0.0))
         decisions = dict(engine.policy.decisions)
         queue, live, tokens, steps = list(prompts), [], 0, 0
         started = time.perf_counter()
