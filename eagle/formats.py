@@ -70,7 +70,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from eagle.target import Target
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXPORT_FORMATS = ("vllm", "sglang", "eagle", "speculators")
 
@@ -235,19 +236,22 @@ def _target_draft_rows(source: Path, config: HeadConfig, dtype: torch.dtype, tar
     """An EAGLE-3 head's frozen ``lm_head`` rows (the target's draft-vocabulary rows) as
     ``EagleHead.from_pretrained`` restores them, in ``dtype``."""
     from eagle.head import EagleHead
+    from eagle.target import load_target
 
     if target is None:
-        from eagle.errors import UnknownTargetError
-        from eagle.target import load_target
-
-        try:
-            target = load_target(config.target_name)
-        except UnknownTargetError:
-            raise HeadFormatError(
-                f"the head's file has no lm_head.weight and its target {config.target_name!r} does not resolve here: "
-                "the export needs the target's LM head rows"
-            ) from None
+        target = _of_the_heads_target(config, load_target, "the head's file has no lm_head.weight, and the export needs the target's LM head rows")
     return EagleHead.from_pretrained(source, target).lm_head.weight.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _of_the_heads_target(config: HeadConfig, resolve: Callable[[str], T], need: str) -> T:
+    """``resolve(config.target_name)``: what an export reads from the head's target (its weights, its path),
+    or a ``HeadFormatError`` saying what the export needs (``need``) when that name does not resolve here."""
+    from eagle.errors import UnknownTargetError
+
+    try:
+        return resolve(config.target_name)
+    except UnknownTargetError:
+        raise HeadFormatError(f"the head's target {config.target_name!r} does not resolve here: {need}") from None
 
 
 def _foreign_config(config: HeadConfig, fmt: str, state: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -272,15 +276,9 @@ def _verifier(config: HeadConfig, given: str | None) -> str:
     reads its config (``load_verifier_weights``) whatever the checkpoint holds, so it must resolve."""
     if given:
         return given
-    from eagle.errors import UnknownTargetError
     from eagle.target import resolve_target
 
-    try:
-        return str(resolve_target(config.target_name)[0])
-    except UnknownTargetError:
-        raise HeadFormatError(
-            f"the head's target {config.target_name!r} does not resolve here: pass --verifier with its Hugging Face id or directory"
-        ) from None
+    return str(_of_the_heads_target(config, resolve_target, "pass --verifier with its Hugging Face id or directory")[0])
 
 
 def _eagle3_export(config: HeadConfig, fmt: str, state: dict[str, torch.Tensor], verifier: str | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
