@@ -216,7 +216,7 @@ class _Worker:
             if eval_records:  # fixed records: their features once, up front
                 from eagle.train import collate
 
-                batch = self._features(collate(eval_records)).to(self.device, torch.bfloat16 if train.autocast_bf16 else torch.float32)
+                batch = self._batch(collate(eval_records))
                 self.eval_batch = batch if self.rank == 0 else None
 
     def _resume(self) -> Progress:
@@ -234,10 +234,16 @@ class _Worker:
         logger.info("rank %d resumed from the checkpoint at step %d", self.rank, progress.step)
         return progress
 
-    def _features(self, batch):
+    def _batch(self, batch):
+        """A collated batch, ready for the head on this worker's device: its features computed by the target
+        here when the preset is online; under autocast in the dtype they were stored (or computed) in, since
+        autocast casts where it computes; without it in fp32 (bf16-stored features feed an fp32 head as fp32 on
+        CPUs without native bf16). The training and the evaluation batches both come through here."""
+        import torch
+
         if self.train.online:
             batch.features, batch.aux_features = self.target.hidden(batch.input_ids.to(self.device))
-        return batch
+        return batch.to(self.device, None if self.train.autocast_bf16 else torch.float32)
 
     def evaluate(self) -> dict[str, float]:
         """Held-out per-depth acceptance against the target's own greedy choices (rank 0; ``{}`` elsewhere)."""
@@ -307,8 +313,6 @@ class _Worker:
         return bool(int(stop))
 
     def run(self) -> None:
-        import torch
-
         from eagle.train import collate, compute_loss
 
         train, engine, progress = self.train, self.engine, self.progress
@@ -323,13 +327,11 @@ class _Worker:
             )
         engine.module.train()
         window_tokens, window_start = 0, time.perf_counter()
-        # bf16-stored features feed an fp32 head as fp32 when it computes without autocast (CPUs without native bf16)
-        batch_dtype = None if train.autocast_bf16 else torch.float32
         micro_batches = self._micro_batches() if progress.step < self.total_steps else iter(())
         for index, batch_ids in micro_batches:
             if index % train.grad_accum == 0:
                 started = time.perf_counter()  # the optimizer step's first micro batch
-            batch = self._features(collate([self.records[i] for i in batch_ids])).to(self.device, batch_dtype)
+            batch = self._batch(collate([self.records[i] for i in batch_ids]))
             lr = learning_rate(train, progress, self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
