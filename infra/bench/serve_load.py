@@ -6,8 +6,9 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
 
 1. a private local Ray instance; ``serve.app.build_app`` with two pairs (``--replicas`` each, default one,
    ``--dtype`` (bf16 by default; vLLM gets the same), compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
-   (target + HEAD) and ``smollm2-135m``;
-2. ``serve.loadtest`` levels at each concurrency, the two models alternating within a level, ``--rounds``
+   (target + HEAD) and ``smollm2-135m``; with ``--alone`` each pair in a Serve start of its own, by itself on the
+   machine (the EAGLE pair's start, then the target alone's), as vLLM's server runs;
+2. ``serve.loadtest`` levels at each concurrency, the models served together alternating within a level, ``--rounds``
    times (A B B A ...; the rounds of a cell pooled, each round's tokens/s kept);
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
    the same levels against it; the server stopped; with ``--vllm-head``, again with that head exported for
@@ -117,6 +118,17 @@ def levels_for(base: str, models: list[str], prompts: list[str], concurrency: li
 
 
 def ours(args, prompts: list[str]) -> list[dict]:
+    """Our two pairs' levels: both deployed in one Serve app and alternating within each level, or with
+    ``--alone`` each deployed by itself in a Serve start of its own (the EAGLE pair's, then the target
+    alone's), as vLLM's server runs alone."""
+    pairs = [("smollm2-135m-eagle", args.head), ("smollm2-135m", None)]
+    if not args.alone:
+        return serve_levels(args, prompts, pairs)
+    return [level for pair in pairs for level in serve_levels(args, prompts, [pair])]
+
+
+def serve_levels(args, prompts: list[str], pairs: list[tuple[str, str | None]]) -> list[dict]:
+    """A private Ray instance serving ``pairs`` ((model, head or None)) in one Serve app; their levels."""
     import ray
     from ray import serve
 
@@ -126,22 +138,21 @@ def ours(args, prompts: list[str]) -> list[dict]:
     common = {"target": "smollm2-135m", "dtype": args.dtype, "compile": "on", "threads": args.threads, "num_cpus": 0.5,
               "max_batch_size": args.max_batch, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "stream_chunks_per_s": args.stream_chunks_per_s, "max_ongoing_requests": args.max_batch, "max_queued_requests": 64,
               "max_context": 1024, "watch_s": None, "autoscaling": {"min_replicas": args.replicas, "max_replicas": args.replicas}}
-    pairs = [{"model": "smollm2-135m-eagle", "head": args.head, "tree": {"kind": args.tree}, **common},
-             {"model": "smollm2-135m", "head": None, **common}]
+    specs = [{"model": model, "head": head, **({"tree": {"kind": args.tree}} if head else {}), **common} for model, head in pairs]
     init_ray(num_cpus=os.cpu_count())
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     started = time.perf_counter()
-    serve.run(build_app({"pairs": pairs}), name="bench", route_prefix="/", blocking=False)
+    serve.run(build_app({"pairs": specs}), name="bench", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
     wait_ready(base, 3600)
-    while True:  # /v1/models answers before every replica is up: wait until both report their info
+    while True:  # /v1/models answers before every replica is up: wait until all report their info
         models = httpx.get(base + "/v1/models", timeout=30).json()["data"]
         if all("error" not in m["eagle"] for m in models):
             break
         time.sleep(5)
-    logger.info("our pairs up in %.0f s", time.perf_counter() - started)
+    logger.info("%s up in %.0f s", ", ".join(model for model, _ in pairs), time.perf_counter() - started)
     try:
-        return levels_for(base, ["smollm2-135m-eagle", "smollm2-135m"], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
+        return levels_for(base, [model for model, _ in pairs], prompts, args.concurrency, args.max_tokens, args.cpu_seconds, args.rounds)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -199,6 +210,7 @@ def main() -> int:
     parser.add_argument("--stream-interval", type=float, default=0.0, help="the pairs' stream_interval_s (shortest time between two chunks of a stream)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every cell, pooled (models alternate A B B A)")
     parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
+    parser.add_argument("--alone", action="store_true", help="deploy each of our pairs by itself, one Serve start each (as vLLM runs), not both in one app")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-head", default=None, help="also serve vLLM with this head directory (ours) exported for it")
     parser.add_argument("--vllm-spec-tokens", type=int, default=3, help="vLLM's num_speculative_tokens with --vllm-head")
@@ -226,7 +238,7 @@ def main() -> int:
         "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
                     "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), None)},
         "settings": {"concurrency": args.concurrency, "prompts": len(prompts), "max_tokens": args.max_tokens, "temperature": 0,
-                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "stream_chunks_per_s": args.stream_chunks_per_s, "rounds": args.rounds, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "vllm_head": args.vllm_head, "vllm_spec_tokens": args.vllm_spec_tokens, "head": args.head, "dtype": args.dtype, "stream": True},
+                     "max_batch_size": args.max_batch, "threads": args.threads, "replicas": args.replicas, "batch_graphs": args.batch_graphs, "stream_interval_s": args.stream_interval, "stream_chunks_per_s": args.stream_chunks_per_s, "rounds": args.rounds, "alone": args.alone, "cpu_seconds": args.cpu_seconds, "tree": args.tree, "vllm_head": args.vllm_head, "vllm_spec_tokens": args.vllm_spec_tokens, "head": args.head, "dtype": args.dtype, "stream": True},
         "levels": levels,
     }
     (Path(args.out) / "load.json").write_text(json.dumps(result, indent=2))
