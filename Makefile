@@ -86,27 +86,30 @@ HEAD ?= models:/smollm2-135m-eagle@production
 bench-fast: install
 	infra/bench/run.sh $(HEAD)
 
-# The default pairs (serve/config.yaml: the registered head @production + the target alone) on
-# http://127.0.0.1:8000, OpenAI-compatible, in the foreground; starts the local stack if it is down and stops
-# it again on Ctrl-C. Needs a registered head: `make quickstart` first.
-# The serving table of docs/benchmarks.md section 7 in one run: our two pairs behind Ray Serve, then vLLM's
-# CPU build (its OpenAI server, installed into .venv-vllm on first use) with the same client and prompts:
-# `make bench-serve HEAD=<head dir or models:/...>` (about an hour; a benchmark, not a test).
 # Our head exported to vLLM (`eaglectl head export --to vllm`) and decoded by vLLM's CPU build beside our
 # engine: acceptance per step and outputs (infra/bench/vllm_eagle.sh; HEAD must be an exportable head directory)
 .PHONY: bench-vllm-eagle
 bench-vllm-eagle: install
 	infra/bench/vllm_eagle.sh $(HEAD)
 
-# BATCH_GRAPHS="4 8 16": the pairs compile their plain batched steps for those sizes (serve/README.md).
+# The serving table of docs/benchmarks.md section 7 in one run: each of our pairs in a Serve start of its own
+# (the EAGLE pair, then the target alone), then vLLM's CPU build (its OpenAI server, installed into .venv-vllm
+# on first use), each by itself on the machine, with the same client and prompts, two rounds a cell:
+# `make bench-serve HEAD=<head dir or models:/...>` (about 30 minutes on 2 cores; a benchmark, not a test).
+# BATCH_GRAPHS: the plain batched steps the pairs compile (serve/README.md); THREADS: torch threads per replica.
 # VLLM_HEAD=1: vLLM is also measured with HEAD exported for it as its speculative model.
 .PHONY: bench-serve
-BATCH_GRAPHS ?=
+BATCH_GRAPHS ?= 4 8 16
+THREADS ?= $(shell nproc)
 VLLM_HEAD ?=
 bench-serve: install
-	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --batch-graphs $(BATCH_GRAPHS) --cpu-seconds \
+	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --alone --rounds 2 --threads $(THREADS) \
+	    --batch-graphs $(BATCH_GRAPHS) --stream-interval 0.1 --stream-chunks-per-s 16 --cpu-seconds \
 	    $(if $(VLLM_HEAD),--vllm-head $(HEAD)) --out docs/bench/serve
 
+# The default pairs (serve/config.yaml: the registered head @production + the target alone) on
+# http://127.0.0.1:8000, OpenAI-compatible, in the foreground; starts the local stack if it is down and stops
+# it again on Ctrl-C. Needs a registered head: `make quickstart` first.
 .PHONY: serve loadtest
 serve: install
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/serve.sh

@@ -7,7 +7,7 @@ another in one run with the same client (``serve.loadtest``), prompts and settin
 1. a private local Ray instance; ``serve.app.build_app`` with two pairs (``--replicas`` each, default one,
    ``--dtype`` (bf16 by default; vLLM gets the same), compiled, ``max_batch_size`` 16, ``--batch-graphs``, ``--threads`` or the pairs' default): ``smollm2-135m-eagle``
    (target + HEAD) and ``smollm2-135m``; with ``--alone`` each pair in a Serve start of its own, by itself on the
-   machine (the EAGLE pair's start, then the target alone's), as vLLM's server runs;
+   machine (the EAGLE pair's start, then the target alone's; ``--alone target-first`` the other way round), as vLLM's server runs;
 2. ``serve.loadtest`` levels at each concurrency, the models served together alternating within a level, ``--rounds``
    times (A B B A ...; the rounds of a cell pooled, each round's tokens/s kept);
 3. Serve shut down; ``infra/bench/peers.sh vllm-serve`` starts ``vllm serve`` on the same target folder;
@@ -120,10 +120,12 @@ def levels_for(base: str, models: list[str], prompts: list[str], concurrency: li
 def ours(args, prompts: list[str]) -> list[dict]:
     """Our two pairs' levels: both deployed in one Serve app and alternating within each level, or with
     ``--alone`` each deployed by itself in a Serve start of its own (the EAGLE pair's, then the target
-    alone's), as vLLM's server runs alone."""
+    alone's; ``--alone target-first`` the other way round), as vLLM's server runs alone."""
     pairs = [("smollm2-135m-eagle", args.head), ("smollm2-135m", None)]
     if not args.alone:
         return serve_levels(args, prompts, pairs)
+    if args.alone == "target-first":
+        pairs.reverse()
     return [level for pair in pairs for level in serve_levels(args, prompts, [pair])]
 
 
@@ -210,7 +212,9 @@ def main() -> int:
     parser.add_argument("--stream-interval", type=float, default=0.0, help="the pairs' stream_interval_s (shortest time between two chunks of a stream)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every cell, pooled (models alternate A B B A)")
     parser.add_argument("--cpu-seconds", action="store_true", help="record each process's CPU seconds per level (cpu_s)")
-    parser.add_argument("--alone", action="store_true", help="deploy each of our pairs by itself, one Serve start each (as vLLM runs), not both in one app")
+    parser.add_argument("--alone", nargs="?", const="eagle-first", choices=["eagle-first", "target-first"], default=None,
+                        help="deploy each of our pairs by itself, one Serve start each (as vLLM runs), not both in one app; "
+                             "the EAGLE pair's start first unless 'target-first'")
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--vllm-head", default=None, help="also serve vLLM with this head directory (ours) exported for it")
     parser.add_argument("--vllm-spec-tokens", type=int, default=3, help="vLLM's num_speculative_tokens with --vllm-head")
