@@ -1,0 +1,45 @@
+"""The EAGLE pair's engine (untrained head, speculate auto) and the target alone's in one process, on one
+target, the same loads alternating (A B B A), without Serve: is the head-less engine's plain path slower,
+as the Serve runs of docs/benchmarks.md section 7 (the seventh session) suggest?
+
+    .venv/bin/python docs/bench/serve-xeon-alone/ab_engines.py /tmp/randhead
+"""
+import logging, sys, time
+from pathlib import Path
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from eagle.batch import BatchDecoder
+from eagle.bench import load_prompts
+from eagle.compile import CompileConfig
+from eagle.generate import Decoder, GenerationConfig
+from eagle.head import EagleHead
+from eagle.runtime import use_threads
+from eagle.target import load_target
+
+logging.basicConfig(level=logging.WARNING)
+use_threads(2)
+target = load_target("smollm2-135m", dtype="bfloat16")
+prompts = [target.encode(p.text, chat=True) for p in load_prompts(None, 16) if p.text]
+engines = {}
+for name, head in (("eagle", EagleHead.from_pretrained(sys.argv[1], target)), ("target", None)):
+    started = time.perf_counter()
+    engines[name] = BatchDecoder(Decoder(target, head, compile=CompileConfig(mode="on", cpp_wrapper=True)), max_batch=16, graphs=(4, 8, 16))
+    report = engines[name].warmup()
+    print(name, "warm-up %.0f s" % (time.perf_counter() - started), "plain_ms", report.get("plain_ms"), flush=True)
+
+
+def load(engine, concurrency):
+    queue, live, tokens = list(prompts), [], 0
+    started = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live.append(engine.submit(queue.pop(0), GenerationConfig(max_new_tokens=128)))
+        engine.step()
+        for request in [r for r in live if r.done]:
+            live.remove(request)
+            tokens += sum(len(o.token_ids) for o in request.outputs)
+    return tokens / (time.perf_counter() - started)
+
+
+for concurrency in (8, 1):
+    for name in ("eagle", "target", "target", "eagle", "eagle", "target"):
+        print(concurrency, name, "%.1f tok/s" % load(engines[name], concurrency), flush=True)
