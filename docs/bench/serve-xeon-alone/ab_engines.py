@@ -2,7 +2,10 @@
 target, the same loads alternating (A B B A), without Serve: is the head-less engine's plain path slower,
 as the Serve runs of docs/benchmarks.md section 7 (the seventh session) suggest?
 
-    .venv/bin/python docs/bench/serve-xeon-alone/ab_engines.py /tmp/randhead
+    .venv/bin/python docs/bench/serve-xeon-alone/ab_engines.py /tmp/randhead [target-first]
+
+The engine built first compiles the graphs; the second reuses them (one runtime per target). With
+``target-first`` the target alone's engine compiles them.
 """
 import logging, sys, time
 from pathlib import Path
@@ -20,7 +23,8 @@ use_threads(2)
 target = load_target("smollm2-135m", dtype="bfloat16")
 prompts = [target.encode(p.text, chat=True) for p in load_prompts(None, 16) if p.text]
 engines = {}
-for name, head in (("eagle", EagleHead.from_pretrained(sys.argv[1], target)), ("target", None)):
+order = (("eagle", EagleHead.from_pretrained(sys.argv[1], target)), ("target", None))
+for name, head in order[::-1] if sys.argv[2:] == ["target-first"] else order:
     started = time.perf_counter()
     engines[name] = BatchDecoder(Decoder(target, head, compile=CompileConfig(mode="on", cpp_wrapper=True)), max_batch=16, graphs=(4, 8, 16))
     report = engines[name].warmup()
