@@ -92,20 +92,23 @@ bench-fast: install
 bench-vllm-eagle: install
 	infra/bench/vllm_eagle.sh $(HEAD)
 
-# The serving table of docs/benchmarks.md section 7 in one run: each of our pairs in a Serve start of its own
-# (the EAGLE pair, then the target alone), then vLLM's CPU build (its OpenAI server, installed into .venv-vllm
-# on first use), each by itself on the machine, with the same client and prompts, two rounds a cell:
-# `make bench-serve HEAD=<head dir or models:/...>` (about 30 minutes on 2 cores; a benchmark, not a test).
-# BATCH_GRAPHS: the plain batched steps the pairs compile (serve/README.md); THREADS: torch threads per replica.
-# VLLM_HEAD=1: vLLM is also measured with HEAD exported for it as its speculative model.
+# The serving table of docs/benchmarks.md section 7 in one run: our two pairs (one Serve app) and vLLM's CPU
+# build (its OpenAI server, installed into .venv-vllm on first use) up at the same time, the three
+# alternating within every level (A B C C B A ...), with the same client and prompts, four rounds a cell,
+# so that the machine's drift falls on all three: `make bench-serve HEAD=<head dir or models:/...>` (about
+# 40 minutes on 2 cores; a benchmark, not a test). BATCH_GRAPHS: the plain batched steps the pairs compile
+# (serve/README.md); THREADS: torch threads per replica.
+# VLLM_HEAD=1: afterwards vLLM alone, plain and with HEAD exported for it as its speculative model
+# (docs/bench/serve-vllm-head).
 .PHONY: bench-serve
 BATCH_GRAPHS ?= 4 8 16
 THREADS ?= $(shell nproc)
 VLLM_HEAD ?=
 bench-serve: install
-	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --alone --rounds 2 --threads $(THREADS) \
-	    --batch-graphs $(BATCH_GRAPHS) --stream-interval 0.1 --stream-chunks-per-s 16 --cpu-seconds \
-	    $(if $(VLLM_HEAD),--vllm-head $(HEAD)) --out docs/bench/serve
+	$(PY) infra/bench/serve_load.py --head $(HEAD) --concurrency 1 4 8 16 --together --rounds 4 --threads $(THREADS) \
+	    --batch-graphs $(BATCH_GRAPHS) --stream-interval 0.1 --stream-chunks-per-s 16 --cpu-seconds --out docs/bench/serve
+	$(if $(VLLM_HEAD),$(PY) infra/bench/serve_load.py --head $(HEAD) --skip-ours --vllm-head $(HEAD) --concurrency 1 4 8 16 \
+	    --cpu-seconds --out docs/bench/serve-vllm-head)
 
 # The default pairs (serve/config.yaml: the registered head @production + the target alone) on
 # http://127.0.0.1:8000, OpenAI-compatible, in the foreground; starts the local stack if it is down and stops

@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import platform
 import statistics
 import sys
@@ -140,6 +141,41 @@ def table(levels: list[dict[str, Any]]) -> str:
             f"{level['requests_per_s']} | {level['latency_p50_s']} | {level['latency_p99_s']} | {level['ttft_p50_s']} | "
             f"{level['ttft_p99_s']} | {level['tau_mean'] if level['tau_mean'] is not None else '-'} |"
         )
+    return "\n".join(lines)
+
+
+def ratio_table(runs: list[list[dict[str, Any]]], comparisons: list[tuple[str, str]]) -> str:
+    """Tokens/s of one model over another's, per concurrency, for each ``(model, reference)`` in
+    ``comparisons``, over one run or several (each a list of levels, as ``infra/bench/serve_load.py`` writes
+    them). Per run, the pooled cells' ratio; per round, round i of one model against round i of the other
+    (when the models alternate A B B A ... in one run those ran next to each other, so the machine's drift
+    between rounds cancels out of them); the geometric mean of all runs' round ratios with its 95 %
+    t-interval, and the lowest round ratio: what a goal must survive."""
+    from scipy import stats
+
+    lines = ["| model / reference | concurrency | pooled ratio (per run) | round ratios | geometric mean (95 %) | lowest |",
+             "|---|---|---|---|---|---|"]
+    for model, reference in comparisons:
+        for concurrency in sorted({level["concurrency"] for run in runs for level in run if level["model"] == model}):
+            pooled, rounds = [], []
+            for run in runs:
+                cells = {(level["model"], level["concurrency"]): level for level in run}
+                ours, theirs = cells.get((model, concurrency)), cells.get((reference, concurrency))
+                if ours is None or theirs is None or not ours["tokens_per_s"] or not theirs["tokens_per_s"]:
+                    continue
+                pooled.append(ours["tokens_per_s"] / theirs["tokens_per_s"])
+                rounds += [a / b for a, b in zip(ours.get("tokens_per_s_rounds") or [ours["tokens_per_s"]],
+                                                 theirs.get("tokens_per_s_rounds") or [theirs["tokens_per_s"]]) if a and b]
+            if not rounds:
+                continue
+            logs = [math.log(r) for r in rounds]
+            mean = statistics.fmean(logs)
+            interval = ""
+            if len(logs) > 1:
+                half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+                interval = f" ({math.exp(mean - half):.2f}-{math.exp(mean + half):.2f})"
+            lines.append(f"| {model} / {reference} | {concurrency} | {' / '.join(f'{r:.2f}' for r in pooled)} | "
+                         f"{' / '.join(f'{r:.2f}' for r in rounds)} | {math.exp(mean):.2f}{interval} | {min(rounds):.2f} |")
     return "\n".join(lines)
 
 

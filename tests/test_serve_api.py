@@ -495,6 +495,28 @@ def test_loadtest_pools_rounds_of_a_cell():
     assert "| m | 4 | 3/4 | 60.0 (50.0 / 100.0) |" in table([cell])
 
 
+def test_loadtest_ratio_table_pairs_rounds_that_ran_side_by_side():
+    from serve.loadtest import ratio_table
+
+    def cell(model, concurrency, pooled, rounds):
+        return {"model": model, "concurrency": concurrency, "tokens_per_s": pooled, "tokens_per_s_rounds": rounds}
+
+    run = [cell("a", 1, 90.0, [100.0, 80.0]), cell("b", 1, 60.0, [50.0, 80.0]),
+           cell("a", 8, 300.0, [300.0]), cell("b", 8, 0.0, [0.0])]
+    text = ratio_table([run], [("a", "b"), ("a", "missing")])
+    # round 1 of a against round 1 of b (2.00), round 2 against round 2 (1.00), not a's best over b's worst;
+    # geometric mean sqrt(2) = 1.41; log ratios 0.69 and 0, standard error 0.35, t(0.975, 1 df) = 12.71:
+    # exp(0.35 -+ 4.40) = 0.02 and 115.6
+    assert "| a / b | 1 | 1.50 | 2.00 / 1.00 | 1.41 (0.02-115.61) | 1.00 |" in text
+    assert "| a / b | 8 |" not in text  # no ratio over a cell that served nothing
+    assert "missing" not in text
+    # two runs: their round ratios pooled into one mean, each run's pooled ratio kept
+    second = [cell("a", 1, 100.0, [100.0, 100.0]), cell("b", 1, 100.0, [100.0, 100.0])]
+    row = next(line for line in ratio_table([run, second], [("a", "b")]).splitlines() if line.startswith("| a / b | 1 |"))
+    # log ratios 0.69, 0, 0, 0: mean 0.17 (1.19), standard error 0.17, t(0.975, 3 df) = 3.18: exp(0.17 -+ 0.55)
+    assert row == "| a / b | 1 | 1.50 / 1.00 | 2.00 / 1.00 / 1.00 / 1.00 | 1.19 (0.69-2.06) | 1.00 |"
+
+
 # ---- failover: resume in the pair, retry in the ingress -------------------------------------------------
 
 MEMO_PROMPTS = ["The capital of France is", "Once upon a time there"]
