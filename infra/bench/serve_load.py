@@ -176,7 +176,7 @@ def serve_pairs(args, pairs: list[tuple[str, str | None]]) -> Iterator[str]:
             time.sleep(5)
         logger.info("%s up in %.0f s", ", ".join(model for model, _ in pairs), time.perf_counter() - started)
         yield base
-        # each pair's state after the levels: its speculation policy's decisions and measured costs among it
+        # each pair's state after the levels: its speculation policy's decisions and measured costs
         (Path(args.out) / "serve-models.json").write_text(json.dumps(httpx.get(base + "/v1/models", timeout=30).json(), indent=2))
     finally:
         serve.shutdown()
