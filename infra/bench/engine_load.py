@@ -28,6 +28,24 @@ from eagle.target import load_target  # noqa: E402
 logger = logging.getLogger("engine_load")
 
 
+def closed_loop(engine: BatchDecoder, prompts: list[list[int]], concurrency: int, step=None,
+                max_new_tokens: int = 128) -> tuple[int, int, float]:
+    """``prompts`` through ``engine``, ``concurrency`` at a time (a finished request's place is taken at
+    once), greedy; ``step`` (default ``engine.step``) advances the engine by one step. Returns the tokens
+    made, the steps taken and the wall-clock seconds."""
+    queue, live, tokens, steps = list(prompts), [], 0, 0
+    started = time.perf_counter()
+    while queue or live:
+        while queue and len(live) < concurrency:
+            live.append(engine.submit(queue.pop(0), GenerationConfig(max_new_tokens=max_new_tokens)))
+        (step or engine.step)()
+        steps += 1
+        for request in [r for r in live if r.done]:
+            live.remove(request)
+            tokens += sum(len(o.token_ids) for o in request.outputs)
+    return tokens, steps, time.perf_counter() - started
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[8], help="one or more client counts, each run --runs times on the same engine")
@@ -70,23 +88,16 @@ def main() -> int:
         chosen.last = decision
         return decision
     engine.policy.choose = chosen
+    def step():
+        chosen.last = "plain"
+        t = time.perf_counter()
+        engine.step()
+        spent[chosen.last] += time.perf_counter() - t  # includes any prefill of this step
+
     for concurrency in [c for c in args.concurrency for _ in range(args.runs)]:
         spent.update(dict.fromkeys(spent, 0.0))
         decisions = dict(engine.policy.decisions)
-        queue, live, tokens, steps = list(prompts), [], 0, 0
-        started = time.perf_counter()
-        while queue or live:
-            while queue and len(live) < concurrency:
-                live.append(engine.submit(queue.pop(0), GenerationConfig(max_new_tokens=128)))
-            chosen.last = "plain"
-            t = time.perf_counter()
-            engine.step()
-            steps += 1
-            spent[chosen.last] += time.perf_counter() - t  # includes any prefill of this step
-            for request in [r for r in live if r.done]:
-                live.remove(request)
-                tokens += sum(len(o.token_ids) for o in request.outputs)
-        wall = time.perf_counter() - started
+        tokens, steps, wall = closed_loop(engine, prompts, concurrency, step)
         # the target alone never asks the policy: every step is plain
         made = {k: v - decisions.get(k, 0) for k, v in engine.policy.decisions.items()} if head else {"plain": steps}
         logger.info("%s, concurrency %d, graphs %s, %d thread(s), autotune %s: %d tokens in %.2f s = %.1f tok/s; %d steps; prefills %.2f s (the head's %.2f), batched steps %.2f s; "

@@ -10,13 +10,15 @@ The engine built first compiles the graphs; the second reuses them (one runtime 
 import logging, sys, time
 from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "infra" / "bench"))
 from eagle.batch import BatchDecoder
 from eagle.bench import load_prompts
 from eagle.compile import CompileConfig
-from eagle.generate import Decoder, GenerationConfig
+from eagle.generate import Decoder
 from eagle.head import EagleHead
 from eagle.runtime import use_threads
 from eagle.target import load_target
+from engine_load import closed_loop
 
 logging.basicConfig(level=logging.WARNING)
 use_threads(2)
@@ -32,16 +34,8 @@ for name, head in order[::-1] if sys.argv[2:] == ["target-first"] else order:
 
 
 def load(engine, concurrency):
-    queue, live, tokens = list(prompts), [], 0
-    started = time.perf_counter()
-    while queue or live:
-        while queue and len(live) < concurrency:
-            live.append(engine.submit(queue.pop(0), GenerationConfig(max_new_tokens=128)))
-        engine.step()
-        for request in [r for r in live if r.done]:
-            live.remove(request)
-            tokens += sum(len(o.token_ids) for o in request.outputs)
-    return tokens / (time.perf_counter() - started)
+    tokens, _, wall = closed_loop(engine, prompts, concurrency)
+    return tokens / wall
 
 
 for concurrency in (8, 1):
