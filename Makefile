@@ -95,8 +95,8 @@ bench-vllm-eagle: install
 # The serving table of docs/benchmarks.md section 7 in one run: our two pairs (one Serve app) and vLLM's CPU
 # build (its OpenAI server, installed into .venv-vllm on first use) up at the same time, the three
 # alternating within every level (A B C C B A ...), with the same client and prompts, four rounds a cell,
-# so that the machine's drift falls on all three: `make bench-serve HEAD=<head dir or models:/...>` (about
-# 40 minutes on 2 cores; a benchmark, not a test). BATCH_GRAPHS: the plain batched steps the pairs compile
+# so that the machine's drift falls on all three: `make bench-serve HEAD=<head dir or models:/...>`
+# (20-35 minutes on 2 cores; a benchmark, not a test). BATCH_GRAPHS: the plain batched steps the pairs compile
 # (serve/README.md); THREADS: torch threads per replica.
 # VLLM_HEAD=1: afterwards vLLM alone, plain and with HEAD exported for it as its speculative model
 # (docs/bench/serve-vllm-head).

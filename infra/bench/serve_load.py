@@ -24,7 +24,7 @@ With ``--together`` steps 1 and 3 run at once instead: our Serve app (both pairs
 at the same time and the three alternate within every level (A B C C B A ...), so the machine's drift over
 the run falls on all of them and each round's ratios compare measurements taken next to each other.
 
-A benchmark, not a test: 11-15 minutes on 2 cores with one round a cell; 30-45 with ``--together --rounds 4``
+A benchmark, not a test: 11-15 minutes on 2 cores with one round a cell; 20-35 with ``--together --rounds 4``
 (7-13 of them the Serve start, compiling the graphs). Without ``--together`` each side runs alone: our
 pairs are shut down before vLLM starts.
 """
