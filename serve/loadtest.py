@@ -155,11 +155,11 @@ def ratio_table(runs: list[list[dict[str, Any]]], comparisons: list[tuple[str, s
 
     lines = ["| model / reference | concurrency | pooled ratio (per run) | round ratios | geometric mean (95 %) | lowest |",
              "|---|---|---|---|---|---|"]
+    cells_by_run = [{(level["model"], level["concurrency"]): level for level in run} for run in runs]
     for model, reference in comparisons:
-        for concurrency in sorted({level["concurrency"] for run in runs for level in run if level["model"] == model}):
+        for concurrency in sorted({c for cells in cells_by_run for m, c in cells if m == model}):
             pooled, rounds = [], []
-            for run in runs:
-                cells = {(level["model"], level["concurrency"]): level for level in run}
+            for cells in cells_by_run:
                 ours, theirs = cells.get((model, concurrency)), cells.get((reference, concurrency))
                 if ours is None or theirs is None or not ours["tokens_per_s"] or not theirs["tokens_per_s"]:
                     continue

@@ -88,6 +88,7 @@ def main() -> int:
         chosen.last = decision
         return decision
     engine.policy.choose = chosen
+
     def step():
         chosen.last = "plain"
         t = time.perf_counter()
