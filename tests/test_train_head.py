@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -63,11 +63,17 @@ def _result(stdout: str) -> dict:
     return json.loads(lines[-1])
 
 
+def _is_train_worker(proc: psutil.Process) -> bool:
+    return "RayTrainWorker" in proc.name() or "RayTrainWorker" in " ".join(proc.cmdline())
+
+
 def _train_workers(root_pid: int) -> list[psutil.Process]:
+    """The live Ray Train worker actors under ``root_pid``: not zombies, and not processes forked from a worker
+    (a fork keeps the worker's process title, so only the one whose parent is no worker is the actor)."""
     workers = []
     for child in psutil.Process(root_pid).children(recursive=True):
         try:
-            if "RayTrainWorker" in " ".join(child.cmdline()) or "RayTrainWorker" in child.name():
+            if child.status() != psutil.STATUS_ZOMBIE and _is_train_worker(child) and not _is_train_worker(child.parent()):
                 workers.append(child)
         except psutil.Error:
             continue
@@ -107,14 +113,23 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
         "--preset", "quick", "--storage", storage, "--dataset", DATASET, "--run-name", "kill-test",
         "--results-dir", str(results), "--checkpoint-every", "5", "--batch-tokens", "512", "--max-failures", "2",
     ]
-    job = _job([*args, "--max-steps", "30"], mlflow_server)
+    steps, every = 34, 5  # 6 more steps on the rerun reach the quick preset's 20 epochs of this data (40 steps)
+    job = _job([*args, "--max-steps", str(steps)], mlflow_server)
+    checkpoints = lambda: list((results / "kill-test").glob("checkpoint_*"))  # noqa: E731
     try:
         # two checkpoint folders: the first one's report has completed (report is a barrier), so it is registered
-        _wait_for(lambda: len(list((results / "kill-test").glob("checkpoint_*"))) >= 2 or job.poll() is not None, 600, "two checkpoints")
+        _wait_for(lambda: len(checkpoints()) >= 2 or job.poll() is not None, 600, "two checkpoints")
         assert job.poll() is None, f"the job ended before the kill: {job.communicate()[1][-3000:]}"
         workers = _wait_for(lambda: _train_workers(job.pid), 60, "the Ray Train workers")
+        # freeze the workers, so the kill lands mid-run however fast this machine trains, then kill one
+        for worker in workers:
+            worker.suspend()
+        assert len(checkpoints()) < math.ceil(steps / every), "the run reached its last checkpoint before the kill"
         victim = workers[-1]
-        os.kill(victim.pid, signal.SIGKILL)
+        victim.kill()
+        victim.wait(timeout=30)
+        for worker in workers[:-1]:
+            worker.resume()
         out, err = job.communicate(timeout=900)
     finally:
         if job.poll() is None:
@@ -127,7 +142,7 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     resumed = _history(client, result["run_id"], "resumed_from_step")
     assert resumed and resumed[0].value >= 5, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
     loss = _history(client, result["run_id"], "loss")
-    assert loss[0].step == 1 and loss[-1].step == 30
+    assert loss[0].step == 1 and loss[-1].step == steps
     eval_tau = _history(client, result["run_id"], "eval_sim_tau")
     assert eval_tau and 1.0 <= eval_tau[-1].value <= 6.0
     assert {f"eval_acc_{d}" for d in range(1, 6)} <= set(run.data.metrics)
@@ -137,7 +152,7 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     curves = {k: [(m.step, round(m.value, 4)) for m in _history(client, result["run_id"], k)] for k in ("loss", "eval_acc_1", "eval_sim_tau")}
     assert loss[-1].value < 0.8 * loss[0].value, curves
     eval_acc = _history(client, result["run_id"], "eval_acc_1")
-    assert eval_acc[0].step < eval_acc[-1].step == 30 and eval_acc[-1].value > eval_acc[0].value, curves
+    assert eval_acc[0].step < eval_acc[-1].step == steps and eval_acc[-1].value > eval_acc[0].value, curves
     assert eval_tau[-1].value > eval_tau[0].value, curves
 
     # the ZeRO stage DeepSpeed's engine ran, as rank 0 read it from the engine (not the job's echo of the preset)
@@ -159,13 +174,13 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     head = EagleHead.from_pretrained(result["head_dir"], load_target("smollm2-135m", dtype="float32"))
     assert head.config.draft_vocab_size == 16384
 
-    # the same run name resumes: from step 30 to 36, same MLflow run, a new head version
-    again = _run([*args, "--max-steps", "36"], mlflow_server, timeout=900)
+    # the same run name resumes: from its last step to 6 more, same MLflow run, a new head version
+    again = _run([*args, "--max-steps", str(steps + 6)], mlflow_server, timeout=900)
     assert again.returncode == 0, again.stderr[-4000:]
     second = _result(again.stdout)
     assert second["run_id"] == result["run_id"]
-    assert _history(client, result["run_id"], "resumed_from_step")[-1].value == 30
-    assert _history(client, result["run_id"], "loss")[-1].step == 36
+    assert _history(client, result["run_id"], "resumed_from_step")[-1].value == steps
+    assert _history(client, result["run_id"], "loss")[-1].step == steps + 6
     assert int(second["version"]) == int(result["version"]) + 1
 
 
