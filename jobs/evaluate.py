@@ -3,7 +3,8 @@
     ray job submit --working-dir . -- python -m jobs.evaluate --target smollm2-135m --preset quick \\
         --head models:/smollm2-135m-eagle@candidate --promote-tau 1.4
 
-The prompts are MT-bench's first turns (never in the ShareGPT training data). The bench (``eagle.bench``:
+The prompts are MT-bench's first turns (never in the ShareGPT training data), spread evenly over its 8
+categories (``--prompts 40``: the first 5 of each). The bench (``eagle.bench``:
 plain decoding, EAGLE and, optionally, Hugging Face ``generate`` / prompt lookup, in one process) runs on one
 Ray worker that holds the node's CPUs (or a GPU). Its tau, speedup, tokens/s and exactness flags are logged
 as ``eval/<dtype>-T<temperature>/*`` metrics to the run that trained the head, with the bench JSON,
@@ -48,7 +49,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
         use_threads(settings["threads"])
     target = load_target(settings["target"], dtype=settings["dtype"], device=settings.get("device", "cpu"))
     head = EagleHead.from_pretrained(settings["head_dir"], target)
-    prompts = load_prompts(limit=settings["prompts"])
+    prompts = load_prompts(limit=settings["prompts"], spread=True)
     return run_bench(
         target, head, prompts, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(temperature=settings["temperature"]),
         tree=build_tree(settings["tree"]), baselines=settings["baselines"], seed=0, progress=True, head_label=settings["head_label"],
@@ -147,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = job_parser("jobs.evaluate", "Bench a head on held-out MT-bench prompts and log tau/speedup to its MLflow run.")
     parser.add_argument("--head", default=None, help="head directory or models:/<target>-eagle@<alias> (default @candidate)")
     parser.add_argument("--run-id", default=None, help="MLflow run to log to (default: the run that trained the head)")
-    parser.add_argument("--prompts", type=int, default=None, help="MT-bench questions (default: the preset's)")
+    parser.add_argument("--prompts", type=int, default=None, help="MT-bench questions, spread over its 8 categories (default: the preset's)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     parser.add_argument("--tree", choices=list(TREE_KINDS), default="dynamic")

@@ -114,7 +114,7 @@ class TrainConfig:
 class EvalConfig:
     """Held-out bench (``jobs.evaluate``)."""
 
-    prompts: int = 10  # MT-bench questions (first turn)
+    prompts: int = 10  # MT-bench questions (first turn), spread evenly over its 8 categories
     max_new_tokens: int = 128
     dtype: str = "bfloat16"
     temperature: float = 0.0
@@ -231,31 +231,32 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Where the time goes: regeneration is the bottleneck (~150-175 answer tok/s for batched bf16 greedy
-    decoding on 2 cores, batch 64 measured best), so 1,280 first-turn answers are capped at 192 new tokens
-    (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer it is scored
-    on): 20 batches x 192 steps ~ 25 minutes. Features (~450k tokens, replicated bf16 workers: a 135M target
-    fits every worker, ZeRO-3 is for the A100 presets) ~ 6 minutes. Training gets 38 minutes with a depth-2
+    Where the time goes: regeneration by this engine's continuous batching (~250 answer tok/s for bf16
+    greedy decoding of 64 answers at once on 2 cores, docs/benchmarks.md s10); 2,048 first-turn answers capped
+    at 192 new tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer
+    it is scored on) ~ 20 minutes. Features (~450k tokens, replicated bf16 workers: a 135M target fits every
+    worker, ZeRO-3 is for the A100 presets) ~ 6 minutes. Training gets 44 minutes with a depth-2
     training-time test (EAGLE-3): each step also trains on the head's own predicted features, which costs
     ~1.8x per step and halves the epochs over this small dataset (the STACK.md calibration overfit).
-    Evaluation: 20 MT-bench prompts x 128 tokens, default tree, bf16 T=0, promotes at tau >= 2.0.
+    Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
+    tau >= 2.0.
     """
     return Preset(
         name="cpu-long",
-        description="SmolLM2-135M, 1,280 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
+        description="SmolLM2-135M, 2,048 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
         target="smollm2-135m",
-        dataset="sharegpt-regen-1280",
+        dataset="sharegpt-regen-2048",
         data=DataConfig(
-            conversations=1280, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
-            regen_workers=1, shard_records=320,
+            conversations=2048, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
+            regen_workers=1, shard_records=256,
             regen_engine="eagle",  # continuous batching: 1.77x HF generate's answer tok/s here (docs/benchmarks.md s10)
         ),
         features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="auto"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=30, epochs=40.0,
-            max_minutes=38.0, checkpoint_every=50, rollout_depth=2,
+            max_minutes=44.0, checkpoint_every=50, rollout_depth=2,
         ),
-        eval=EvalConfig(prompts=20, max_new_tokens=128, dtype="bfloat16", promote_tau=2.0),
+        eval=EvalConfig(prompts=40, max_new_tokens=128, dtype="bfloat16", promote_tau=2.0),
     )
 
 

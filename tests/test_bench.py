@@ -212,6 +212,19 @@ def test_default_prompts_are_mtbench():
     assert len(load_prompts()) == 80
 
 
+def test_spread_prompts_take_the_first_of_every_category_in_turn():
+    every = load_prompts()
+    categories = list(dict.fromkeys(p.category for p in every))
+    assert len(categories) == 8
+    forty = load_prompts(limit=40, spread=True)
+    assert [p.id for p in forty] == [p.id for p in every if sum(q.category == p.category for q in every[: every.index(p)]) < 5]
+    two = load_prompts(limit=2, spread=True)  # one from each of the first two categories, not two writing prompts
+    assert [p.category for p in two] == categories[:2] and two[0] == every[0]
+    eleven = load_prompts(limit=11, spread=True)
+    counts = {c: sum(p.category == c for p in eleven) for c in categories}
+    assert list(counts.values()) == [2, 2, 2, 1, 1, 1, 1, 1] and eleven == sorted(eleven, key=every.index)
+
+
 @pytest.mark.slow
 def test_smollm2_eagle_matches_plain_greedy():
     target = load_target("smollm2-135m", dtype="float32")
