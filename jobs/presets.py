@@ -231,11 +231,11 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Where the time goes: regeneration by this engine's continuous batching (~250 answer tok/s for bf16
-    greedy decoding of 64 answers at once on 2 cores, docs/benchmarks.md s10); 2,048 first-turn answers capped
-    at 192 new tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer
-    it is scored on) ~ 20 minutes. Features (~450k tokens, replicated bf16 workers: a 135M target fits every
-    worker, ZeRO-3 is for the A100 presets) ~ 6 minutes. Training gets 44 minutes with a depth-2
+    Where the time goes: regeneration by this engine's continuous batching (~520-570 answer tok/s for bf16
+    greedy decoding of 64 answers at once on 2 AMX cores, 2026-12-06); 3,072 first-turn answers capped at 192
+    new tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer it is
+    scored on) ~ 15 minutes. Features (~650k tokens, replicated bf16 workers: a 135M target fits every
+    worker, ZeRO-3 is for the A100 presets) ~ 8 minutes. Training gets 44 minutes with a depth-2
     training-time test (EAGLE-3): each step also trains on the head's own predicted features, which costs
     ~1.8x per step and halves the epochs over this small dataset (the STACK.md calibration overfit).
     Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
@@ -243,11 +243,11 @@ def cpu_long() -> Preset:
     """
     return Preset(
         name="cpu-long",
-        description="SmolLM2-135M, 2,048 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
+        description="SmolLM2-135M, 3,072 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
         target="smollm2-135m",
-        dataset="sharegpt-regen-2048",
+        dataset="sharegpt-regen-3072",
         data=DataConfig(
-            conversations=2048, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
+            conversations=3072, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
             regen_workers=1, shard_records=256,
             regen_engine="eagle",  # continuous batching: 1.77x HF generate's answer tok/s here (docs/benchmarks.md s10)
         ),
