@@ -231,15 +231,15 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Where the time goes: regeneration by this engine's continuous batching (~520-570 answer tok/s for bf16
-    greedy decoding of 64 answers at once on 2 AMX cores, 2026-12-06); 3,072 first-turn answers capped at 192
-    new tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer it is
-    scored on) ~ 15 minutes. Features (~650k tokens, replicated bf16 workers: a 135M target fits every
-    worker, ZeRO-3 is for the A100 presets) ~ 8 minutes. Training gets 44 minutes with a depth-2
-    training-time test (EAGLE-3): each step also trains on the head's own predicted features, which costs
-    ~1.8x per step and halves the epochs over this small dataset (the STACK.md calibration overfit).
-    Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
-    tau >= 2.0.
+    Where the time goes (72 minutes in all on a 2-core AMX Xeon, 2026-12-06: docs/benchmarks.md section 4):
+    regeneration by this engine's continuous batching (~500 answer tok/s for bf16 greedy decoding of 64
+    answers at once on 2 cores); 3,072 first-turn answers capped at 192 new tokens (MT-bench benches the first
+    128 generated tokens, so the head sees the part of an answer it is scored on) ~ 15 minutes. Features
+    (~690k tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for the A100 presets)
+    ~ 5 minutes. Training gets 44 minutes with a depth-2 training-time test (EAGLE-3): each step also trains
+    on the head's own predicted features, which costs ~1.8x per step and halves the epochs over this small
+    dataset (the STACK.md calibration overfit); 44 minutes were still 12 epochs of it. Evaluation: 40
+    MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at tau >= 2.0.
     """
     return Preset(
         name="cpu-long",
