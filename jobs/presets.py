@@ -231,30 +231,32 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Where the time goes (72 minutes in all on a 2-core AMX Xeon, 2026-12-06: docs/benchmarks.md section 4):
-    regeneration by this engine's continuous batching (~500 answer tok/s for bf16 greedy decoding of 64
-    answers at once on 2 cores); 3,072 first-turn answers capped at 192 new tokens (MT-bench benches the first
-    128 generated tokens, so the head sees the part of an answer it is scored on) ~ 15 minutes. Features
-    (~690k tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for the A100 presets)
-    ~ 5 minutes. Training gets 44 minutes with a depth-2 training-time test (EAGLE-3): each step also trains
-    on the head's own predicted features, which costs ~1.8x per step and halves the epochs over this small
-    dataset (the STACK.md calibration overfit); 44 minutes were still 12 epochs of it. Evaluation: 40
-    MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at tau >= 2.0.
+    Sized from the 2026-12-06 run of 3,072 conversations (72 minutes on a 2-core AMX Xeon, docs/benchmarks.md
+    section 4): 12 epochs in 44 training minutes left the head fitting its data (training top-1 0.72-0.79
+    against 0.55 held out) while regeneration had become the cheap stage, so this preset buys twice the
+    answers with fewer training minutes. Regeneration by this engine's continuous batching (~500 answer tok/s
+    for bf16 greedy decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new
+    tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer it is
+    scored on) ~ 29 minutes. Features (~1.4M tokens, replicated bf16 workers: a 135M target fits every
+    worker, ZeRO-3 is for the A100 presets) ~ 9 minutes. Training gets 34 minutes (~4-5 epochs) with a
+    depth-2 training-time test (EAGLE-3): each step also trains on the head's own predicted features.
+    Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
+    tau >= 2.0.
     """
     return Preset(
         name="cpu-long",
-        description="SmolLM2-135M, 3,072 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
+        description="SmolLM2-135M, 6,144 regenerated ShareGPT conversations, <= 90 minutes on 2 CPU cores",
         target="smollm2-135m",
-        dataset="sharegpt-regen-3072",
+        dataset="sharegpt-regen-6144",
         data=DataConfig(
-            conversations=3072, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
+            conversations=6144, max_length=640, regenerate=True, regen_max_new_tokens=192, regen_batch_size=64,
             regen_workers=1, shard_records=256,
             regen_engine="eagle",  # continuous batching: 1.77x HF generate's answer tok/s here (docs/benchmarks.md s10)
         ),
         features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="auto"),
         train=TrainConfig(
             workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=30, epochs=40.0,
-            max_minutes=44.0, checkpoint_every=50, rollout_depth=2,
+            max_minutes=34.0, checkpoint_every=50, rollout_depth=2,
         ),
         eval=EvalConfig(prompts=40, max_new_tokens=128, dtype="bfloat16", promote_tau=2.0),
     )

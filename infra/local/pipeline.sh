@@ -9,6 +9,7 @@
 set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
+source "$REPO_ROOT/infra/local/venv.sh"
 PRESET=quick
 ARGS=()
 while [[ $# -gt 0 ]]; do

@@ -10,9 +10,7 @@ set -euo pipefail
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO_ROOT"
 CONFIG="${1:-serve/config.yaml}"
-if [[ -x "$REPO_ROOT/.venv/bin/serve" ]]; then
-    export PATH="$REPO_ROOT/.venv/bin:$PATH"
-fi
+source "$REPO_ROOT/infra/local/venv.sh"
 started_stack=0
 if ! infra/local/stack.sh status >/dev/null 2>&1; then
     infra/local/stack.sh up >/dev/null

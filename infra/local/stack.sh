@@ -49,12 +49,7 @@ RAY_RECORD="$STACK_DIR/ray-head.env"
 RAY_LOG="$STACK_DIR/ray-start.log"
 ENV_FILE="$STACK_DIR/stack.env"
 
-# The project's venv, when the caller has not put one on PATH (the Makefile does).
-if ! command -v ray >/dev/null 2>&1 || ! command -v mlflow >/dev/null 2>&1; then
-    if [[ -x "$REPO_ROOT/.venv/bin/ray" ]]; then
-        export PATH="$REPO_ROOT/.venv/bin:$PATH"
-    fi
-fi
+source "$REPO_ROOT/infra/local/venv.sh"
 # The interpreter beside `ray` (it has this project installed: eagle_platform.ray_token), else the first on PATH.
 RAY_BIN="$(command -v ray || true)"
 if [[ -n "$RAY_BIN" && -x "$(dirname "$RAY_BIN")/python" ]]; then
