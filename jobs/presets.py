@@ -231,17 +231,18 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Sized from the 2026-12-06 run of 3,072 conversations (72 minutes on a 2-core AMX Xeon, docs/benchmarks.md
-    section 4): 12 epochs in 44 training minutes left the head fitting its data (training top-1 0.72-0.79
-    against 0.55 held out) while regeneration had become the cheap stage, so this preset buys twice the
-    answers with fewer training minutes. Regeneration by this engine's continuous batching (~500 answer tok/s
-    for bf16 greedy decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new
-    tokens (MT-bench benches the first 128 generated tokens, so the head sees the part of an answer it is
-    scored on) ~ 29 minutes. Features (~1.4M tokens, replicated bf16 workers: a 135M target fits every
-    worker, ZeRO-3 is for the A100 presets) ~ 9 minutes. Training gets 34 minutes (~4-5 epochs) with a
-    depth-2 training-time test (EAGLE-3): each step also trains on the head's own predicted features.
-    Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
-    tau >= 2.0.
+    Where the time goes (78.6 minutes in all on a 2-core AMX Xeon, 2026-12-06: docs/benchmarks.md section 4).
+    The run before it (3,072 conversations, 44 training minutes, 12 epochs) left the head fitting its data
+    (training top-1 0.72-0.79 against 0.55 held out) while regeneration had become the cheap stage, so this
+    preset buys twice the answers with fewer training minutes (tau 2.36 against 2.31 on the same 40 MT-bench
+    prompts). Regeneration by this engine's continuous batching (502-559 answer tok/s for bf16 greedy
+    decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new tokens (MT-bench
+    benches the first 128 generated tokens, so the head sees the part of an answer it is scored on) ~ 29
+    minutes. Features (1.4M tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for
+    the A100 presets) ~ 8 minutes. Training gets 34 minutes (1,235 steps, 5.5 epochs) with a depth-2
+    training-time test (EAGLE-3): each step also trains on the head's own predicted features. Evaluation: 40
+    MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at tau >= 2.0 (~4
+    minutes).
     """
     return Preset(
         name="cpu-long",
