@@ -235,8 +235,8 @@ def cpu_long() -> Preset:
     The run before it (3,072 conversations, 44 training minutes, 12 epochs) left the head fitting its data
     (training top-1 0.72-0.79 against 0.55 held out) while regeneration had become the cheap stage, so this
     preset buys twice the answers with fewer training minutes (tau 2.36 against 2.31 on the same 40 MT-bench
-    prompts). Regeneration by this engine's continuous batching (502-559 answer tok/s for bf16 greedy
-    decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new tokens (MT-bench
+    prompts). Regeneration by this engine's continuous batching (~500 answer tok/s over the stage for bf16
+    greedy decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new tokens (MT-bench
     benches the first 128 generated tokens, so the head sees the part of an answer it is scored on) ~ 29
     minutes. Features (1.4M tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for
     the A100 presets) ~ 8 minutes. Training gets 34 minutes (1,235 steps, 5.5 epochs) with a depth-2

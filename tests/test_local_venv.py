@@ -17,25 +17,27 @@ def _resolve(path: str) -> list[str]:
     return out.stdout.split()
 
 
+def _fake_bin(tmp_path: Path, *names: str) -> Path:
+    """A folder of do-nothing executables named ``names``, to put first on PATH."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in names:
+        tool = folder / name
+        tool.write_text("#!/bin/sh\n")
+        tool.chmod(0o755)
+    return folder
+
+
 def test_a_plain_shell_gets_the_projects_python_and_ray():
     assert (VENV_BIN / "ray").exists(), "make install builds .venv"
     assert _resolve("/usr/local/bin:/usr/bin:/bin") == [str(VENV_BIN / "python"), str(VENV_BIN / "ray")]
 
 
 def test_an_active_venv_with_ray_and_mlflow_stays_first(tmp_path):
-    other = tmp_path / "bin"
-    other.mkdir()
-    for name in ("python", "ray", "mlflow"):
-        tool = other / name
-        tool.write_text("#!/bin/sh\n")
-        tool.chmod(0o755)
+    other = _fake_bin(tmp_path, "python", "ray", "mlflow")
     assert _resolve(f"{other}:/usr/bin:/bin") == [str(other / "python"), str(other / "ray")]
 
 
 def test_a_python_without_ray_beside_it_is_replaced(tmp_path):
-    other = tmp_path / "bin"
-    other.mkdir()
-    tool = other / "python"
-    tool.write_text("#!/bin/sh\n")
-    tool.chmod(0o755)
+    other = _fake_bin(tmp_path, "python")
     assert _resolve(f"{other}:/usr/bin:/bin") == [str(VENV_BIN / "python"), str(VENV_BIN / "ray")]
