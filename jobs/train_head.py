@@ -458,13 +458,18 @@ def train(
     runs = reg.runs
     runs.check_server()  # fails in one line when no server answers
     ds_config = deepspeed_config(preset.train)
-    run_id = runs.start_run(
-        EXPERIMENT, run_name, tags={"target": name, "target_revision": revision, "preset": preset.name, "job": "train_head"},
-        resume=True,  # the same run name continues the same MLflow run, finished or not (as Ray Train resumes)
-        resume_statuses=("RUNNING", "FAILED", "KILLED", "FINISHED"),
-    )
+    tags = {"target": name, "target_revision": revision, "preset": preset.name, "job": "train_head"}
+    statuses = ("RUNNING", "FAILED", "KILLED", "FINISHED")  # the same run name continues the same MLflow run, finished or not
+    params = _flatten({"preset": preset.name, "target": target_spec, "dataset": preset.dataset, "train": asdict(preset.train)})
+    previous = runs.find_run(EXPERIMENT, run_name, tags=tags, statuses=statuses)
+    if previous is not None:  # refused before the run is reopened, so its status and registered head stay as they were
+        try:
+            check_resumable(runs.run_info(previous)["params"], params, run_name)
+        except EagleError:
+            lease.close()
+            raise
+    run_id = runs.start_run(EXPERIMENT, run_name, tags=tags, resume=True, resume_statuses=statuses)
     try:
-        params = _flatten({"preset": preset.name, "target": target_spec, "dataset": preset.dataset, "train": asdict(preset.train)})
         if runs.run_info(run_id)["params"]:  # a resumed run keeps its first params
             runs.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]})
         else:
@@ -519,6 +524,25 @@ def train(
         lease.close()  # the run name is free for the next job (a resume)
     logger.info("run %s finished: head %s registered as %s-eagle version %s", run_name, local_head, name, version)
     return {"run_id": run_id, "run_name": run_name, "head_dir": str(local_head), "version": version, "metrics": dict(result.metrics or {})}
+
+
+# What a checkpoint's shape depends on: the DeepSpeed data-parallel world and ZeRO partitioning of the optimizer
+# state, the device, and the head's own layout. The rest (lr, epochs, minutes, ...) may change on a resume.
+RESUME_KEYS = tuple(f"train.{key}" for key in (
+    "workers", "zero_stage", "use_gpu", "online", "head_kind", "draft_vocab_size", "fc_bias", "input_norm",
+))
+
+
+def check_resumable(previous: dict[str, str], params: dict[str, str], run_name: str) -> None:
+    """Raise one line when the run ``run_name`` (its logged ``previous`` params) cannot resume with ``params``:
+    its checkpoints were made with another :data:`RESUME_KEYS` value (DeepSpeed refuses another world size
+    deep in every worker, and each retry of Ray Train would fail the same way)."""
+    changed = [f"{key} {previous[key]} -> {params.get(key)}" for key in RESUME_KEYS if key in previous and previous[key] != params.get(key)]
+    if changed:
+        raise EagleError(
+            f"run {run_name!r} exists and its checkpoints cannot resume with this preset ({'; '.join(changed)}): "
+            f"pass --run-name with a new name to train a new head"
+        )
 
 
 def lease_run_name(base: str, *, explicit: bool, folder: Path | None = None) -> tuple[str, Any]:

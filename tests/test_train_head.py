@@ -183,6 +183,14 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert _history(client, result["run_id"], "loss")[-1].step == steps + 6
     assert int(second["version"]) == int(result["version"]) + 1
 
+    # a rerun whose checkpoints cannot resume (another DeepSpeed world size) is refused in one line before any
+    # worker starts, and the finished run and its registered heads stay as they were
+    other = _run([*args, "--max-steps", str(steps + 12), "--workers", "1"], mlflow_server)
+    lines = other.stderr.strip().splitlines()
+    assert other.returncode == 2 and len(lines) == 1 and "train.workers 2 -> 1" in lines[0] and "--run-name" in lines[0], other.stderr[-3000:]
+    assert client.get_run(result["run_id"]).info.status == "FINISHED"
+    assert client.get_model_version_by_alias("smollm2-135m-eagle", "candidate").version == second["version"]
+
 
 @pytest.mark.slow
 def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
@@ -304,3 +312,21 @@ def test_the_learning_rate_follows_steps_or_the_deadline_whichever_is_further_an
     assert learning_rate(untimed, Progress(60, 900.0), 110) == pytest.approx(by_steps)
     saved = Progress(60, 540.0)
     assert Progress.from_json(saved.to_json()) == saved
+
+
+def test_a_run_resumes_only_with_the_checkpoint_shaping_params_it_was_trained_with():
+    from eagle.errors import EagleError
+    from jobs.train_head import RESUME_KEYS, _flatten, check_resumable
+
+    def params(**train):
+        preset = get_preset("quick").with_overrides(train=train)
+        return _flatten({"preset": preset.name, "dataset": preset.dataset, "train": dataclasses.asdict(preset.train)})
+
+    first = params()
+    assert {"train.workers", "train.zero_stage", "train.head_kind", "train.draft_vocab_size"} <= set(RESUME_KEYS) <= set(first)
+    check_resumable(first, params(lr=5e-4, max_minutes=40.0, epochs=3.0), "r")  # what a longer or gentler resume changes
+    with pytest.raises(EagleError, match=r"'r' exists .*train\.workers 2 -> 1; train\.zero_stage 2 -> 0.*--run-name"):
+        check_resumable(first, params(workers=1, zero_stage=0), "r")
+    with pytest.raises(EagleError, match=r"train\.draft_vocab_size 16384 -> 8192"):
+        check_resumable(first, params(draft_vocab_size=8192), "r")
+    check_resumable({k: v for k, v in first.items() if k != "train.workers"}, params(workers=1), "r")  # not logged: nothing to compare
