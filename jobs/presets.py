@@ -231,18 +231,19 @@ def quick_eagle3() -> Preset:
 def cpu_long() -> Preset:
     """SmolLM2-135M, the longer CPU run (<= 90 minutes on this 2-core machine).
 
-    Where the time goes (78.6 minutes in all on a 2-core AMX Xeon, 2026-12-06: docs/benchmarks.md section 4).
-    The run before it (3,072 conversations, 44 training minutes, 12 epochs) left the head fitting its data
-    (training top-1 0.72-0.79 against 0.55 held out) while regeneration had become the cheap stage, so this
-    preset buys twice the answers with fewer training minutes (tau 2.36 against 2.31 on the same 40 MT-bench
-    prompts). Regeneration by this engine's continuous batching (~500 answer tok/s over the stage for bf16
-    greedy decoding of 64 answers at once on 2 cores): 6,144 first-turn answers capped at 192 new tokens (MT-bench
-    benches the first 128 generated tokens, so the head sees the part of an answer it is scored on) ~ 29
-    minutes. Features (1.4M tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for
-    the A100 presets) ~ 8 minutes. Training gets 34 minutes (1,235 steps, 5.5 epochs) with a depth-2
-    training-time test (EAGLE-3): each step also trains on the head's own predicted features. Evaluation: 40
-    MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at tau >= 2.0 (~4
-    minutes).
+    Where the time goes (docs/benchmarks.md section 4; a 2-core AMX Xeon, 2026-12-06). The 3,072-conversation
+    run left the head fitting its data (training top-1 0.72-0.79 against 0.55 held out) while regeneration had
+    become the cheap stage, so this preset buys twice the answers with fewer training minutes. Regeneration by
+    this engine's continuous batching (~500 answer tok/s over the stage for bf16 greedy decoding of 64 answers
+    at once on 2 cores): 6,144 first-turn answers capped at 192 new tokens (MT-bench benches the first 128
+    generated tokens, so the head sees the part of an answer it is scored on) ~ 29 minutes. Features (1.4M
+    tokens, replicated bf16 workers: a 135M target fits every worker, ZeRO-3 is for the A100 presets) ~ 8
+    minutes. Training gets 34 minutes with a depth-2 training-time test (EAGLE-3): each step also trains on
+    the head's own predicted features. It runs as one Ray Train rank on both cores (DeepSpeed ZeRO-2 at a
+    world of one partitions nothing): the same 8,192-token step as two ranks of 4,096 made 1.17x the steps a
+    minute (1,516 steps, 5.9 epochs, against 1,235 with two ranks; MT-bench tau 2.39 against 2.36).
+    Evaluation: 40 MT-bench prompts (5 per category) x 128 tokens, default tree, bf16 T=0, promotes at
+    tau >= 2.0 (~4 minutes).
     """
     return Preset(
         name="cpu-long",
@@ -256,7 +257,9 @@ def cpu_long() -> Preset:
         ),
         features=FeatureConfig(workers=2, zero_stage=0, batch_tokens=8192, dtype="auto"),
         train=TrainConfig(
-            workers=2, zero_stage=2, batch_tokens=4096, lr=2e-3, warmup_steps=30, epochs=40.0,
+            # one rank on both cores: the same 8,192-token optimizer step as two ranks of 4,096 tokens each,
+            # 1.17x the steps per minute (1.30 against 1.53 s a step in 2-minute runs, docs/bench/recipes/ranks.json)
+            workers=1, zero_stage=2, batch_tokens=8192, lr=2e-3, warmup_steps=30, epochs=40.0,
             max_minutes=34.0, checkpoint_every=50, rollout_depth=2,
         ),
         eval=EvalConfig(prompts=40, max_new_tokens=128, dtype="bfloat16", promote_tau=2.0),
