@@ -10,7 +10,7 @@ record order with the training job's optimizer, learning-rate schedule (``jobs.t
 decaying over ``--minutes``), bf16 autocast where the CPU has native bf16, and batches of ``--batch-tokens``;
 each reports held-out simulated tau (chain of 5, against the target's own greedy choices, as the training
 job's evaluation) at every ``--eval-every`` minutes of step time. This is a screening tool: the training
-job (Ray Train + DeepSpeed, two ranks) is what the presets run.
+job (Ray Train + DeepSpeed) is what the presets run.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from eagle.runtime import native_bf16, use_threads
 from eagle.target import load_target, resolve_target
 from eagle.train import build_optimizer, collate, compute_loss, token_budget_batches
 from jobs import layout
-from jobs.presets import TrainConfig
 from jobs.common import default_storage
+from jobs.presets import TrainConfig
 from jobs.train_head import Progress, _draft_vocab, learning_rate
 
 logger = logging.getLogger("recipes")
@@ -53,9 +53,8 @@ def parse_recipe(text: str) -> tuple[str, dict[str, float]]:
 def run_recipe(name, values, *, target, storage, records, eval_batch, greedy, args) -> dict:
     base = TrainConfig(lr=args.lr, warmup_steps=args.warmup, max_minutes=args.minutes, batch_tokens=args.batch_tokens)
     train = dataclasses.replace(base, lr=values.get("lr", base.lr), warmup_steps=int(values.get("warmup", base.warmup_steps)))
-    loss_config = LossConfig.for_kind(
-        "eagle1", **{k: (int(values[k]) if k == "depth" else values[k]) for k in LOSS_KEYS if k in values}, **({"depth": args.depth} if "depth" not in values else {})
-    )
+    overrides = {"depth": args.depth, **{k: values[k] for k in LOSS_KEYS if k in values}}
+    loss_config = LossConfig.for_kind("eagle1", **{**overrides, "depth": int(overrides["depth"])})
     head = EagleHead.for_target(
         target, seed=0, draft_token_ids=_draft_vocab(storage, target, args.draft_vocab_size), fc_bias=False, input_norm=False,
     ).to(torch.float32)
