@@ -254,6 +254,13 @@ def eagle_loss(
 
 
 @torch.no_grad()
+def target_greedy(target, features: torch.Tensor) -> torch.Tensor:
+    """The target's own argmax after each position of ``features`` ``[B, n, h]`` (``[B, n]``, a row at a time
+    to bound the logits' memory): what greedy verification accepts, ``rollout_metrics``'s ``greedy``."""
+    return torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in features])
+
+
+@torch.no_grad()
 def rollout_metrics(
     head: EagleHead,
     features: torch.Tensor,

@@ -249,14 +249,13 @@ class _Worker:
         """Held-out per-depth acceptance against the target's own greedy choices (rank 0; ``{}`` elsewhere)."""
         import torch
 
-        from eagle.loss import rollout_metrics
+        from eagle.loss import rollout_metrics, target_greedy
 
         batch, module = self.eval_batch, self.engine.module
         if batch is None:
             return {}
         module.eval()
-        with torch.no_grad():  # what greedy verification would accept: the target's own argmax, row by row
-            greedy = torch.stack([self.target.logits(row.to(self.target.dtype)).argmax(-1) for row in batch.features])
+        greedy = target_greedy(self.target, batch.features)
         with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.train.autocast_bf16):
             metrics = rollout_metrics(
                 module, batch.features, batch.input_ids, batch.loss_mask, self.train.metrics_depth, greedy=greedy, inputs=batch.aux_features,

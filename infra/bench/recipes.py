@@ -24,7 +24,7 @@ import time
 import torch
 
 from eagle.head import EagleHead
-from eagle.loss import LossConfig, rollout_metrics
+from eagle.loss import LossConfig, rollout_metrics, target_greedy
 from eagle.profile import machine
 from eagle.runtime import native_bf16, use_threads
 from eagle.target import load_target, resolve_target
@@ -131,8 +131,7 @@ def main() -> None:
     target = load_target(args.target, dtype="bfloat16" if native_bf16() else "float32")
     records = layout.load_records(storage, layout.FEATURES, "train")
     eval_batch = collate(layout.load_records(storage, layout.FEATURES, "eval")[: args.eval_records])
-    with torch.no_grad():
-        greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
+    greedy = target_greedy(target, eval_batch.features)
     if not native_bf16():
         eval_batch = eval_batch.to("cpu", torch.float32)
     results = []

@@ -507,7 +507,7 @@ class Run:
         import torch
 
         from eagle.head import EagleHead, draft_vocab_from_counts
-        from eagle.loss import LossConfig, rollout_metrics
+        from eagle.loss import LossConfig, rollout_metrics, target_greedy
         from eagle.train import Batch, build_optimizer, collate, lr_factor, token_budget_batches, train_step
         from jobs.frozen_target import FeatureExtractor
         from jobs.presets import get_preset
@@ -567,8 +567,7 @@ class Run:
                 chosen.append(record)
                 longest = longest_if
             eval_batch = features_of(collate(chosen))
-            with torch.no_grad():
-                greedy = torch.stack([target.logits(row.to(target.dtype)).argmax(-1) for row in eval_batch.features])
+            greedy = target_greedy(target, eval_batch.features)
             info["eval_records"] = len(chosen)
             info["eval_positions"] = int(eval_batch.loss_mask.sum())
 
