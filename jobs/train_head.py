@@ -467,7 +467,7 @@ def train(
         except EagleError:
             lease.close()
             raise
-    run_id = runs.start_run(EXPERIMENT, run_name, tags=tags, resume=True, resume_statuses=statuses)
+    run_id = runs.reopen_run(previous, run_name) if previous is not None else runs.start_run(EXPERIMENT, run_name, tags=tags)
     try:
         if runs.run_info(run_id)["params"]:  # a resumed run keeps its first params
             runs.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]})

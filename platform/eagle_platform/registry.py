@@ -326,14 +326,18 @@ class Runs(_Connection):
         if resume:
             run_id = self.find_run(experiment, run_name, tags=tags, statuses=resume_statuses)
             if run_id is not None:
-                with self._errors(f"reopening run {run_id}"):
-                    self.client.update_run(run_id, status="RUNNING")
-                logger.info("resuming MLflow run %s (%s)", run_id, run_name)
-                return run_id
+                return self.reopen_run(run_id, run_name)
         experiment_id = self.get_or_create_experiment(experiment)
         with self._errors(f"starting run {run_name!r}"):
             run = self.client.create_run(experiment_id, run_name=run_name, tags={k: str(v) for k, v in (tags or {}).items()})
         return run.info.run_id
+
+    def reopen_run(self, run_id: str, run_name: str) -> str:
+        """Mark ``run_id`` (found by :meth:`find_run`) RUNNING again, to continue it. Returns the run id."""
+        with self._errors(f"reopening run {run_id}"):
+            self.client.update_run(run_id, status="RUNNING")
+        logger.info("resuming MLflow run %s (%s)", run_id, run_name)
+        return run_id
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         """Log params (values as strings; MLflow keeps a param's first value: log each key once per run)."""
