@@ -52,7 +52,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     prompts = load_prompts(limit=settings["prompts"], spread=True)
     return run_bench(
         target, head, prompts, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(temperature=settings["temperature"]),
-        tree=build_tree(settings["tree"]), baselines=settings["baselines"], seed=0, progress=True, head_label=settings["head_label"],
+        tree=build_tree(settings["tree"]), baselines=settings["baselines"], seed=settings["seed"], progress=True, head_label=settings["head_label"],
         compile=settings["compile"],
     )
 
@@ -106,6 +106,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "prompts": args.prompts or preset.eval.prompts, "max_new_tokens": args.max_new_tokens or preset.eval.max_new_tokens,
         "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
         "baselines": [b for b in (args.baselines or "").split(",") if b],
+        "seed": args.seed,
         "device": "cuda" if args.gpu or preset.eval.use_gpu else "cpu",  # the task reserves the GPU it runs on
     }
     init_ray()
@@ -115,7 +116,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     report = ray.get(task.remote(settings))
 
     aggregate = report["aggregate"]
-    prefix = f"eval/{settings['dtype']}-T{settings['temperature']:g}"  # one namespace per setting: runs get several
+    # one namespace per setting (runs get several); another seed gets its own, not the default seed's
+    prefix = f"eval/{settings['dtype']}-T{settings['temperature']:g}" + (f"-seed{args.seed}" if args.seed else "")
     metrics = {
         f"{prefix}/tau": aggregate["tau_mean"],
         f"{prefix}/tau_pooled": aggregate["tau_pooled"],
@@ -155,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", choices=list(COMPILE_MODES), default=None, help="torch.compile the decoders (eagle.compile; default: the preset's, on)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (T > 0; default 0)")
     parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")
     parser.add_argument("--gpu", action="store_true", help="run the bench task on one GPU (it reserves it; target and head load there)")
     parser.add_argument("--out", default=None, help="where to write bench.json (+ .md, .png)")
@@ -166,6 +169,8 @@ def _main(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise EagleError(f"--{flag.replace('_', '-')} must be > 0")
+    if args.seed < 0:
+        raise EagleError("--seed must be >= 0")
     if args.temperature is not None and args.temperature < 0:
         raise EagleError("--temperature must be >= 0")
     summary = evaluate(args)

@@ -47,19 +47,22 @@ def _production_version(client: MlflowClient) -> str | None:
         return None
 
 
-def _evaluate_on_report(report: dict, promote_tau: float, uri: str, tmp_path: Path, monkeypatch, capsys) -> tuple[int, dict]:
-    """jobs.evaluate run in this process with its bench replaced by ``report`` (an earlier run's): the job's
-    promotion decision on a measured tau, without benching again. Returns (exit code, summary)."""
+def _evaluate_on_report(
+    report: dict, promote_tau: float, uri: str, tmp_path: Path, monkeypatch, capsys, extra: tuple[str, ...] = ()
+) -> tuple[int, dict]:
+    """jobs.evaluate run in this process with its bench replaced by ``report`` (an earlier run's, its config
+    given the seed the job passed): the job's promotion decision on a measured tau, without benching again.
+    Returns (exit code, summary)."""
     import jobs.evaluate as job
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("RAY_ADDRESS", "")  # a private local Ray instance, as when run directly
     monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(job, "_bench", lambda settings: report)  # a closure: Ray ships it by value
+    monkeypatch.setattr(job, "_bench", lambda settings: {**report, "config": {**report["config"], "seed": settings["seed"]}})  # by value
     capsys.readouterr()
     code = job.main(
         ["--head", "models:/smollm2-135m-eagle@candidate", "--dtype", "float32", "--promote-tau", repr(promote_tau),
-         "--out", str(tmp_path / f"rebench-{promote_tau!r}.json")]
+         "--out", str(tmp_path / f"rebench-{promote_tau!r}.json"), *extra]
     )
     out = capsys.readouterr().out.strip().splitlines()
     return code, json.loads(out[-1]) if out else {}
@@ -99,6 +102,12 @@ def test_evaluate_logs_to_the_training_run_and_promotes_only_at_the_gate(smollm2
     code, summary = _evaluate_on_report(report, tau, mlflow_server, tmp_path, monkeypatch, capsys)
     assert (code, summary.get("promoted"), summary.get("version")) == (0, True, version)
     assert _production_version(client) == version
+
+    # another seed reaches the bench and logs under a namespace of its own, beside the default seed's metrics
+    code, summary = _evaluate_on_report(report, 50.0, mlflow_server, tmp_path, monkeypatch, capsys, extra=("--seed", "7"))
+    assert code == 0 and json.loads(Path(summary["report"]).read_text())["config"]["seed"] == 7
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["eval/float32-T0-seed7/tau"] == tau and metrics["eval/float32-T0/tau"] == tau
 
 
 def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothing(smollm2, mlflow_server, tmp_path):
