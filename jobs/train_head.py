@@ -461,15 +461,15 @@ def train(
     statuses = ("RUNNING", "FAILED", "KILLED", "FINISHED")  # the same run name continues the same MLflow run, finished or not
     params = _flatten({"preset": preset.name, "target": target_spec, "dataset": preset.dataset, "train": asdict(preset.train)})
     previous = runs.find_run(EXPERIMENT, run_name, tags=tags, statuses=statuses)
-    if previous is not None:  # refused before the run is reopened, so its status and registered head stay as they were
-        try:
-            check_resumable(runs.run_info(previous)["params"], params, run_name)
-        except EagleError:
-            lease.close()
-            raise
+    previous_params = runs.run_info(previous)["params"] if previous is not None else {}
+    try:  # refused before the run is reopened, so its status and registered head stay as they were
+        check_resumable(previous_params, params, run_name)
+    except EagleError:
+        lease.close()
+        raise
     run_id = runs.reopen_run(previous, run_name) if previous is not None else runs.start_run(EXPERIMENT, run_name, tags=tags)
     try:
-        if runs.run_info(run_id)["params"]:  # a resumed run keeps its first params
+        if previous_params:  # a resumed run keeps its first params
             runs.set_tags(run_id, {"resumed_with": json.dumps(params, sort_keys=True)[:5000]})
         else:
             runs.log_params(run_id, params)
