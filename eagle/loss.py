@@ -43,6 +43,11 @@ class LossConfig:
     noise: float = 0.1  # U(-noise, noise) added to input features
     depth: int = 1  # >1: also train on the head's rolled-out predictions (training-time test)
     depth_decay: float = 0.8  # weight of depth k is decay^(k-1)
+    ce_fraction: float = 1.0  # <1: the soft cross-entropy on a random share of the counted positions (below)
+
+    def __post_init__(self):
+        if not 0.0 < self.ce_fraction <= 1.0:
+            raise ValueError(f"ce_fraction must be in (0, 1], got {self.ce_fraction}")
 
     @classmethod
     def for_kind(cls, kind: str, **overrides) -> "LossConfig":
@@ -217,9 +222,14 @@ def eagle_loss(
     # The LM-head logits dominate a step (infra/bench/train_step.py), so both distributions are computed only
     # where the loss counts. Depth k's origin j reads p at f_{j+k+1} and counts when x_{j+k+2} is an assistant
     # token: p is needed at t - 1 for every assistant token t, the same positions at every depth.
+    # With ce_fraction < 1 the cross-entropy (and p) is computed at a random share of those positions, the same
+    # positions at every depth, and averaged over them: an estimate of the full mean at that share of the
+    # LM-head cost. The feature regression still counts every position.
     with torch.no_grad():
         needed = torch.zeros_like(loss_mask, dtype=torch.bool)
         needed[:, :-1] = loss_mask[:, 1:].bool()
+        if config.ce_fraction < 1.0:
+            needed &= torch.rand(needed.shape, device=needed.device) < config.ce_fraction
         row_of = torch.full(loss_mask.shape, -1, dtype=torch.long, device=loss_mask.device)
         row_of[needed] = torch.arange(int(needed.sum()), device=loss_mask.device)
         target_p = torch.softmax(head.target_logits(features[needed]), dim=-1)  # [rows, V] on the draft rows, once
@@ -237,14 +247,15 @@ def eagle_loss(
         else:
             wanted = _shift(features, k + 1)  # f_{j+k+1}
             feature_loss = (F.smooth_l1_loss(predicted.float(), wanted.float(), reduction="none").mean(-1) * valid).sum() / count
-        rows = _shift(row_of, k + 1)[valid]  # p(. | f_{j+k+1}) for the counted origins
-        cross_entropy, drafted = soft_cross_entropy(head.draft_input(predicted[valid]), head.draft_weight, target_p, rows)
-        token_loss = cross_entropy / count
+        row = _shift(row_of, k + 1)  # the row of p(. | f_{j+k+1}); -1 where it was not computed
+        sampled = valid & (row >= 0)  # = valid when ce_fraction is 1
+        cross_entropy, drafted = soft_cross_entropy(head.draft_input(predicted[sampled]), head.draft_weight, target_p, row[sampled])
+        token_loss = cross_entropy / sampled.sum().clamp(min=1)
         weight = config.depth_decay**k
         total = total + weight * (config.w_feature * feature_loss + config.w_token * token_loss)
         weight_sum += weight
         with torch.no_grad():
-            metrics[f"acc_{k + 1}"] = float((drafted == truth[valid]).sum() / count)
+            metrics[f"acc_{k + 1}"] = float((drafted == truth[sampled]).sum() / sampled.sum().clamp(min=1))
         if k == 0:
             metrics["feature_loss"] = float(feature_loss.detach())
             metrics["token_loss"] = float(token_loss.detach())

@@ -95,6 +95,7 @@ class TrainConfig:
     noise: float | None = None  # U(-noise, noise) on input features (eagle1 0.1, eagle3 0)
     w_feature: float | None = None  # eagle1 1.0, eagle3 0 (no feature regression)
     w_token: float | None = None  # eagle1 0.1, eagle3 1.0
+    ce_fraction: float | None = None  # <1: the cross-entropy on that random share of positions (default 1: all)
     draft_vocab_size: int | None = 16384  # None = the full target vocabulary
     # the head's layout (eagle.head.HeadConfig); both False is what vLLM's and SGLang's EAGLE-1 loaders build,
     # so the head can be exported to them (``eaglectl head export``)

@@ -206,7 +206,8 @@ class _Worker:
 
         optimizer = build_optimizer(head, lr=train.lr, betas=train.betas, weight_decay=train.weight_decay)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=head, optimizer=optimizer, config=worker.deepspeed, dist_init_required=False)
-        self.loss_config = LossConfig.for_kind(train.head_kind, w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth)
+        self.loss_config = LossConfig.for_kind(train.head_kind, w_feature=train.w_feature, w_token=train.w_token, noise=train.noise, depth=train.rollout_depth,
+                                              ce_fraction=train.ce_fraction)
         self.progress = self._resume()
         self.tracker = _Tracker(worker) if self.rank == 0 else None
         # online: every rank runs the eval forward (ZeRO-3's gathers are collectives), rank 0 keeps the result
@@ -619,6 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-depth", type=int, default=None, help="training-time test depth (default: the head kind's, eagle1 1, eagle3 7)")
     parser.add_argument("--head-kind", choices=("eagle1", "eagle3"), default=None, help="the head kind (default: the preset's)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, help="0 = the full target vocabulary")
+    parser.add_argument("--ce-fraction", type=float, default=None, help="the soft cross-entropy on this random share of positions, in (0, 1]")
     parser.add_argument("--online", action="store_true", default=None, help="compute features in the loop")
     parser.add_argument(
         "--target-persistence-threshold", type=int, default=None,
@@ -635,7 +637,7 @@ def _main(args: argparse.Namespace) -> int:
         key: getattr(args, key)
         for key in (
             "workers", "lr", "epochs", "max_steps", "max_minutes", "batch_tokens", "checkpoint_every", "rollout_depth", "online",
-            "target_persistence_threshold", "head_kind",
+            "target_persistence_threshold", "head_kind", "ce_fraction",
         )
         if getattr(args, key) is not None
     }
@@ -644,6 +646,8 @@ def _main(args: argparse.Namespace) -> int:
     for key in ("workers", "batch_tokens", "checkpoint_every", "rollout_depth", "max_steps"):
         if key in overrides and overrides[key] <= 0:
             raise EagleError(f"--{key.replace('_', '-')} must be > 0")
+    if not 0 < overrides.get("ce_fraction", 1.0) <= 1:
+        raise EagleError("--ce-fraction must be in (0, 1]")
     if overrides.get("target_persistence_threshold", 0) < 0:
         raise EagleError("--target-persistence-threshold must be >= 0")
     preset = get_preset(args.preset)

@@ -329,3 +329,35 @@ def test_chunked_soft_cross_entropy_equals_the_dense_formula(chunk, train_weight
     with torch.no_grad():
         value, drafted = soft_cross_entropy(x, weight, p, rows, chunk=chunk)
     assert not value.requires_grad and value == total.detach() and torch.equal(drafted, argmax)
+
+
+def test_cross_entropy_on_a_share_of_positions_is_its_mean_there(target):
+    """ce_fraction < 1: the soft cross-entropy is averaged over a random share of the counted positions (drawn
+    from torch's generator after the rollout's noise), the feature regression over all of them; averaged over
+    draws the token loss is the full one's."""
+    head = EagleHead.for_target(target, seed=2)
+    tokens = continuations(target, sequences=3, length=24, temperature=1.0, seed=7)
+    features = _features(target, tokens)
+    mask = torch.ones_like(tokens)
+    n = tokens.shape[1]
+    full_loss, full = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0))
+    with torch.no_grad():
+        predicted = head(features[:, :-1], tokens[:, 1:], None, torch.arange(n - 1)[None], causal_mask(n - 1, 0, features.dtype, features.device))
+        predicted, wanted = predicted[:, : n - 2], features[:, 1 : n - 1]
+        p = torch.softmax(target.lm_head(wanted).float(), -1)
+        per_row = -(p * torch.log_softmax(target.lm_head(predicted).float(), -1)).sum(-1)  # [B, n-2]
+    draws = []
+    for seed in range(40):
+        torch.manual_seed(seed)
+        kept = torch.rand(tokens.shape) < 0.5  # the draw eagle_loss makes: position t keeps p(. | f_t)
+        torch.manual_seed(seed)
+        loss, metrics = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0, ce_fraction=0.5))
+        expected = per_row[kept[:, 1 : n - 1]].mean()  # origin j is scored against p(. | f_{j+1})
+        assert metrics["token_loss"] == pytest.approx(float(expected), rel=1e-5)
+        assert metrics["feature_loss"] == pytest.approx(full["feature_loss"], rel=1e-6)
+        draws.append(metrics["token_loss"])
+    assert sum(draws) / len(draws) == pytest.approx(full["token_loss"], rel=0.03)
+    assert min(draws) != max(draws)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="ce_fraction"):
+            LossConfig(ce_fraction=bad)

@@ -266,6 +266,7 @@ def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp
         "unknown target": (["--target", "no-such-model", "--dataset", DATASET], "no-such-model"),
         "missing features": (["--dataset", "never-made"], "jobs.featurize"),
         "bad number": (["--dataset", DATASET, "--workers", "0"], "--workers"),
+        "bad share": (["--dataset", DATASET, "--ce-fraction", "0"], "--ce-fraction"),
         "dataset out of the storage": (["--dataset", "../../etc"], "bad dataset name '../../etc'"),  # a path, not a name
         "run name out of the results": (["--dataset", DATASET, "--run-name", "x/../../y"], "bad run name"),
         "eagle3 on features without its layers": (["--dataset", DATASET, "--head-kind", "eagle3"], "--aux-layers"),

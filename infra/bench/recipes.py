@@ -3,8 +3,8 @@
     .venv/bin/python infra/bench/recipes.py --dataset sharegpt-regen-6144 --minutes 8 \
         --recipe base --recipe 'tok1:w_token=1.0' --out docs/bench/recipes/recipes.json
 
-A recipe is ``name[:key=value,...]`` over ``w_feature``, ``w_token``, ``noise``, ``depth`` (eagle.loss.LossConfig),
-``lr``, ``warmup`` and ``init_layer`` (copy the target's decoder layer of that index into the head's layer
+A recipe is ``name[:key=value,...]`` over ``w_feature``, ``w_token``, ``noise``, ``depth``, ``ce_fraction``
+(eagle.loss.LossConfig), ``lr``, ``warmup``, ``draft_vocab`` (its size) and ``init_layer`` (copy the target's decoder layer of that index into the head's layer
 before training; -1 = the last). Every recipe trains an ``eagle1`` head from the same seed on the same
 record order with the training job's optimizer, learning-rate schedule (``jobs.train_head.learning_rate``,
 decaying over ``--minutes``), bf16 autocast where the CPU has native bf16, and batches of ``--batch-tokens``;
@@ -36,7 +36,7 @@ from jobs.train_head import Progress, _draft_vocab, learning_rate
 
 logger = logging.getLogger("recipes")
 
-LOSS_KEYS = ("w_feature", "w_token", "noise", "depth")
+LOSS_KEYS = ("w_feature", "w_token", "noise", "depth", "ce_fraction")
 
 
 def parse_recipe(text: str) -> tuple[str, dict[str, float]]:
@@ -44,7 +44,7 @@ def parse_recipe(text: str) -> tuple[str, dict[str, float]]:
     values = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*LOSS_KEYS, "lr", "warmup", "init_layer"):
+        if key not in (*LOSS_KEYS, "lr", "warmup", "init_layer", "draft_vocab"):
             raise SystemExit(f"unknown recipe key {key!r}")
         values[key] = float(value)
     return name, values
@@ -56,7 +56,7 @@ def run_recipe(name, values, *, target, storage, records, eval_batch, greedy, ar
     overrides = {"depth": args.depth, **{k: values[k] for k in LOSS_KEYS if k in values}}
     loss_config = LossConfig.for_kind("eagle1", **{**overrides, "depth": int(overrides["depth"])})
     head = EagleHead.for_target(
-        target, seed=0, draft_token_ids=_draft_vocab(storage, target, args.draft_vocab_size), fc_bias=False, input_norm=False,
+        target, seed=0, draft_token_ids=_draft_vocab(storage, target, int(values.get("draft_vocab", args.draft_vocab_size))), fc_bias=False, input_norm=False,
     ).to(torch.float32)
     if "init_layer" in values:
         index = int(values["init_layer"])
