@@ -5,7 +5,9 @@ f_{j+1}. Its loss is SmoothL1(f̂_{j+1}, f_{j+1}) + w_token · CE(p_{j+2}, q_{j+
 next-token distribution at f_{j+1} (the LM head applied to the true feature) and q the same LM head applied to
 the prediction. Inputs are perturbed with U(-noise, noise) (section 4.1, "data augmentation") so the head is
 robust to its own errors when it later reads its predictions. With a reduced draft vocabulary (EAGLE-3, arXiv
-2503.01840) both p and q live on the draft rows of the LM head; p is renormalised over them.
+2503.01840) both p and q live on the draft rows of the LM head; p is renormalised over them. With
+``LossConfig.ce_fraction`` < 1 the cross-entropy term is the mean over a random share of the positions (drawn
+anew each call), which estimates the full mean at that share of the LM-head cost.
 
 Rollout (EAGLE-3's "training-time test", arXiv 2503.01840 section 3.2): at draft depth k > 1 the head reads its
 own depth-(k-1) prediction, not the target's feature. ``rollout`` reproduces what decoding does, for every

@@ -4,7 +4,8 @@
         --recipe base --recipe 'tok1:w_token=1.0' --out docs/bench/recipes/recipes.json
 
 A recipe is ``name[:key=value,...]`` over ``w_feature``, ``w_token``, ``noise``, ``depth``, ``ce_fraction``
-(eagle.loss.LossConfig), ``lr``, ``warmup``, ``draft_vocab`` (its size) and ``init_layer`` (copy the target's decoder layer of that index into the head's layer
+(eagle.loss.LossConfig), ``lr``, ``warmup``, ``draft_vocab`` (its size), ``layers`` (decoder layers in the head, for screening only: the
+head's save and export formats hold one) and ``init_layer`` (copy the target's decoder layer of that index into the head's layer
 before training; -1 = the last). Every recipe trains an ``eagle1`` head from the same seed on the same
 record order with the training job's optimizer, learning-rate schedule (``jobs.train_head.learning_rate``,
 decaying over ``--minutes``), bf16 autocast where the CPU has native bf16, and batches of ``--batch-tokens``;
@@ -27,7 +28,7 @@ from eagle.head import EagleHead
 from eagle.loss import LossConfig, rollout_metrics, target_greedy
 from eagle.profile import machine
 from eagle.runtime import native_bf16, use_threads
-from eagle.target import load_target, resolve_target
+from eagle.target import adapter_for, load_target, resolve_target
 from eagle.train import build_optimizer, collate, compute_loss, token_budget_batches
 from jobs import layout
 from jobs.common import default_storage
@@ -44,7 +45,7 @@ def parse_recipe(text: str) -> tuple[str, dict[str, float]]:
     values = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        if key not in (*LOSS_KEYS, "lr", "warmup", "init_layer", "draft_vocab"):
+        if key not in (*LOSS_KEYS, "lr", "warmup", "init_layer", "draft_vocab", "layers"):
             raise SystemExit(f"unknown recipe key {key!r}")
         values[key] = float(value)
     return name, values
@@ -58,6 +59,10 @@ def run_recipe(name, values, *, target, storage, records, eval_batch, greedy, ar
     head = EagleHead.for_target(
         target, seed=0, draft_token_ids=_draft_vocab(storage, target, int(values.get("draft_vocab", args.draft_vocab_size))), fc_bias=False, input_norm=False,
     ).to(torch.float32)
+    for index in range(1, int(values.get("layers", 1))):  # screening only: the head's save and export formats hold one layer
+        layer_config = head.config.transformers_config()
+        extra = adapter_for(layer_config).decoder_layer_cls()(layer_config, layer_idx=index).to(torch.float32)
+        head.layers.append(extra)  # keeps its input norm: it reads the first layer's output, not fc's
     if "init_layer" in values:
         index = int(values["init_layer"])
         source = target.backbone.layers[index].state_dict()
