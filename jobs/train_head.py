@@ -646,8 +646,12 @@ def _main(args: argparse.Namespace) -> int:
     for key in ("workers", "batch_tokens", "checkpoint_every", "rollout_depth", "max_steps"):
         if key in overrides and overrides[key] <= 0:
             raise EagleError(f"--{key.replace('_', '-')} must be > 0")
-    if not 0 < overrides.get("ce_fraction", 1.0) <= 1:
-        raise EagleError("--ce-fraction must be in (0, 1]")
+    from eagle.loss import LossConfig
+
+    try:  # the loss's own rule, checked before any work
+        LossConfig(ce_fraction=overrides.get("ce_fraction", 1.0))
+    except ValueError as err:
+        raise EagleError(f"--ce-fraction: {err}") from None
     if overrides.get("target_persistence_threshold", 0) < 0:
         raise EagleError("--target-persistence-threshold must be >= 0")
     preset = get_preset(args.preset)
