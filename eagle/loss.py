@@ -252,12 +252,13 @@ def eagle_loss(
         row = _shift(row_of, k + 1)  # the row of p(. | f_{j+k+1}); -1 where it was not computed
         sampled = valid & (row >= 0)  # = valid when ce_fraction is 1
         cross_entropy, drafted = soft_cross_entropy(head.draft_input(predicted[sampled]), head.draft_weight, target_p, row[sampled])
-        token_loss = cross_entropy / sampled.sum().clamp(min=1)
+        scored = sampled.sum().clamp(min=1)
+        token_loss = cross_entropy / scored
         weight = config.depth_decay**k
         total = total + weight * (config.w_feature * feature_loss + config.w_token * token_loss)
         weight_sum += weight
         with torch.no_grad():
-            metrics[f"acc_{k + 1}"] = float((drafted == truth[sampled]).sum() / sampled.sum().clamp(min=1))
+            metrics[f"acc_{k + 1}"] = float((drafted == truth[sampled]).sum() / scored)
         if k == 0:
             metrics["feature_loss"] = float(feature_loss.detach())
             metrics["token_loss"] = float(token_loss.detach())

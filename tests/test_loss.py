@@ -340,7 +340,7 @@ def test_cross_entropy_on_a_share_of_positions_is_its_mean_there(target):
     features = _features(target, tokens)
     mask = torch.ones_like(tokens)
     n = tokens.shape[1]
-    full_loss, full = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0))
+    _, full = eagle_loss(head, features, tokens, mask, LossConfig(noise=0.0))
     with torch.no_grad():
         predicted = head(features[:, :-1], tokens[:, 1:], None, torch.arange(n - 1)[None], causal_mask(n - 1, 0, features.dtype, features.device))
         predicted, wanted = predicted[:, : n - 2], features[:, 1 : n - 1]
