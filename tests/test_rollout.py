@@ -185,7 +185,9 @@ def test_adding_a_pair_keeps_the_served_pair_its_replicas_and_its_streams(tmp_pa
             rollout.roll_out([*rollout.deployed_pairs(dashboard), pair_b], dashboard, tracking_uri=None, port=http_port, timeout_s=420)
             ended = time.monotonic()
             timings["adding a pair"] = ended - started
+            deadline = ended + 300  # a 400-token stream takes seconds; httpx gives up on a silent one after 120 s
             while not any(start > ended for start, _, _ in load.requests):  # one more request after the rollout
+                assert time.monotonic() < deadline, f"no stream that started after the rollout finished within 300 s ({len(load.requests)} streams ended)"
                 time.sleep(0.1)
         requests, health = load.requests, load.health
         print(f"{len(requests)} streams of 400 tokens, {len(health)} /health polls during {ended - started:.1f} s of rollout")
