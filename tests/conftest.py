@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-pytest_plugins = ["strict_skips"]  # make test: a skipped test fails (tests/strict_skips.py)
+pytest_plugins = ["strict_skips", "tiers"]  # make test: a skipped test fails (tests/strict_skips.py); tiers: tests/tiers.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

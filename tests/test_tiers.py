@@ -1,0 +1,83 @@
+"""tests/tiers.py: a test that starts end-to-end processes without the ``e2e`` marker fails, and so does a
+fast-tier test past ``EAGLE_TEST_BUDGET_S``; the run ends with the time of each tier."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiers import e2e_kind
+
+HERE = Path(__file__).resolve().parent
+
+PROBE = '''
+import subprocess, sys, time
+import pytest
+
+def _job():
+    subprocess.run([sys.executable, "-m", "jobs.a_job_that_does_not_exist"], capture_output=True)
+
+def test_unmarked_job():
+    _job()
+
+@pytest.mark.e2e
+def test_marked_job():
+    _job()
+
+def test_slow_fast_tier():
+    time.sleep(1.0)  # the subject: a test slower than the budget
+
+@pytest.mark.e2e
+def test_slow_e2e():
+    time.sleep(1.0)
+
+@pytest.mark.nightly
+def test_slow_nightly():
+    time.sleep(1.0)
+
+def test_ordinary_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+'''
+
+
+def test_e2e_processes_are_told_from_helpers():
+    python = sys.executable
+    e2e = {
+        "Ray": [f"{Path(python).parent}/../lib/python3.11/site-packages/ray/core/src/ray/gcs/gcs_server", "--port=0"],
+        "the local stack": ["bash", "/repo/infra/local/stack.sh", "up"],
+        "a job": [python, "-m", "jobs.train_head", "--preset", "smoke"],
+        "the platform service": [python, "-m", "eagle_platform.service", "--port", "1"],
+        "Ray Serve": ["/venv/bin/serve", "deploy", "serve/config.yaml"],
+        "vLLM": ["/repo/infra/bench/peers.sh", "vllm-serve", "/m", "8000"],
+        "make": ["make", "-C", "/repo", "quickstart"],
+    }
+    for kind, argv in e2e.items():
+        assert e2e_kind(argv) == kind, argv
+    assert e2e_kind("ray start --head --port=0") == "Ray"
+    for argv in (["bash", "/repo/infra/local/venv.sh"], [python, "-c", "print(1)"], ["chattr", "+i", "/x"],
+                 [python, "-m", "eagle.cli", "generate"], ["git", "status"], [python, "-m", "pytest", "-q"]):
+        assert e2e_kind(argv) is None, argv
+
+
+@pytest.mark.parametrize("budget", ["0.5", None], ids=["budget", "no-budget"])
+def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, budget):
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_TEST_BUDGET_S", "EAGLE_NO_SKIP")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
+    if budget:
+        env["EAGLE_TEST_BUDGET_S"] = budget
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tiers", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = run.stdout
+    assert run.returncode == 1, out[-3000:]
+    assert "test_unmarked_job: started a job without the e2e marker" in out, out[-3000:]
+    failed = set(re.findall(r"^(?:FAILED|ERROR) \S+::(\w+)", out, flags=re.MULTILINE))
+    assert failed == ({"test_unmarked_job", "test_slow_fast_tier"} if budget else {"test_unmarked_job"}), out[-3000:]
+    if budget:
+        assert "test_slow_fast_tier: ran 1 s, past the 0.5 s budget of a test outside the e2e and nightly tiers" in out, out[-3000:]
+    assert "tier times: fast " in out and " e2e " in out and " nightly " in out, out[-3000:]
