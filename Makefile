@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 PYTEST_ARGS ?=
 
-.PHONY: install lock quickstart test test-fast bench clean
+.PHONY: install lock quickstart test test-all test-fast bench clean
 
 # Installs exactly the lock (--no-deps: nothing is resolved here), then this project itself, then checks
 # that the result is consistent (`pip check`: a dependency added to pyproject.toml but not locked fails).
@@ -71,13 +71,24 @@ down:
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/platform.sh down
 	PATH="$(abspath $(VENV))/bin:$$PATH" infra/local/stack.sh down
 
-# The whole suite, slow end-to-end tests included (what CI runs); a skipped test fails here (tests/strict_skips.py).
+# The test tiers (markers in tests/tiers.py, which also enforces them):
+#   make test      every test but the `nightly` ones: the in-process tier and one real end-to-end test per component
+#                  (Ray, Ray Train + DeepSpeed, MLflow, Serve, vLLM, the platform service, the fresh machine);
+#                  at most 25 minutes of pytest on 2 cores; what CI runs (.ci/run)
+#   make test-all  every test: run it before resolving an issue that touches jobs/, serve/, platform/, infra/ or
+#                  the Makefile
+#   make test-fast the in-process tier alone (no `e2e`, no `nightly`), a few minutes
+# In test and test-all a skipped test fails (tests/strict_skips.py) and an in-process test past TEST_BUDGET_S
+# seconds fails with its name (tests/tiers.py).
+TEST_BUDGET_S ?= 120
 test: install
-	EAGLE_NO_SKIP=1 $(PY) -m pytest $(PYTEST_ARGS)
+	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest -m "not nightly" $(PYTEST_ARGS)
 
-# Everything but the slow end-to-end tests.
+test-all: install
+	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS)
+
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not e2e and not nightly" $(PYTEST_ARGS)
 
 # The fast-path benchmark of docs/benchmarks.md section 6 (about an hour; vLLM and llama.cpp are installed
 # into .venv-vllm / .venv-llamacpp on first use): `make bench-fast HEAD=<head dir or models:/...>`.
