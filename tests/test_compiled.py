@@ -23,7 +23,6 @@ from eagle.tree import AutoTree, HybridTree
 from heads import good_head, single_thread, wrong_head
 from tiny import ARCHITECTURES, tiny_target
 
-pytestmark = pytest.mark.slow
 
 LOGIT_SCALE = 3.0
 PROMPTS = ((5, 17, 3, 42, 8), (60, 9, 33, 33, 12, 7, 50, 21, 0) * 2)  # the second repeats: hybrid branches fire
@@ -55,11 +54,14 @@ def _config() -> GenerationConfig:
     return GenerationConfig(max_new_tokens=40, stop_token_ids=[])
 
 
+# make test compiles one case (llama, dynamic tree, trained head); every other case is `nightly`: each compiles
+# its own graphs, ~0.5-1 minute apiece on 2 cores
 CASES = [(arch, "dynamic", "good") for arch in ARCHITECTURES] + [
     ("llama", "dynamic", "untrained"), ("llama", "dynamic", "wrong"),
     ("llama", "static", "good"), ("llama", "auto", "good"), ("llama", "hybrid", "good"), ("qwen3", "hybrid", "wrong"),
     ("llama", "dynamic", "eagle3"),  # the EAGLE-3 kind: advance compiled over the fused (3 x hidden) target layers
 ]
+CASES = [case if case == ("llama", "dynamic", "good") else pytest.param(*case, marks=pytest.mark.nightly) for case in CASES]
 TREES = {"dynamic": DynamicTree(), "static": StaticTree(), "auto": AutoTree(max_depth=4, top_ks=(2, 4), sizes=(7, 15)), "hybrid": HybridTree(DynamicTree(depth=4, top_k=3, total_tokens=12))}
 
 
@@ -85,6 +87,7 @@ def test_compiled_greedy_equals_plain_decoding(arch, tree, head, tmp_path, monke
         assert max(taus) < 1.2
 
 
+@pytest.mark.nightly
 def test_compiled_and_eager_steps_agree_within_tolerance():
     """float32: the compiled step (fused kernels, frozen weights) against the same step run eagerly."""
     target = tiny_target("qwen2", dtype=torch.float32, logit_scale=LOGIT_SCALE)
@@ -102,6 +105,7 @@ def test_compiled_and_eager_steps_agree_within_tolerance():
     assert torch.equal(greedy, want_greedy)
 
 
+@pytest.mark.nightly
 def test_every_target_and_head_compiles_its_own_weights():
     """Frozen weights are constants of a graph: a second target or head of the same shapes must get its own
     graphs, never reuse the first one's (a reused graph would still be lossless, so greedy tests miss it)."""
@@ -141,6 +145,7 @@ def test_a_recompile_during_a_request_raises():
         fn(torch.ones(4, dtype=torch.float64))
 
 
+@pytest.mark.nightly
 def test_smollm2_compiled_greedy_equals_plain(smollm2):
     """The real target in float32, an untrained head (nearly every draft rejected: the bonus-token path) and
     the hybrid tree, whose steps use both verification widths (with and without an n-gram branch)."""

@@ -88,7 +88,7 @@ def test_attention_uses_the_kernel_for_bf16_decode_steps_only(monkeypatch):
     assert not calls
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # compiles a bf16 decode step twice
 @pytest.mark.parametrize("cpp_wrapper", [False, True])
 def test_a_compiled_bf16_decode_step_calls_the_kernel_and_matches_sdpa(cpp_wrapper, monkeypatch):
     """A tiny target with 64-wide heads (4 heads over 2 kv heads): its compiled one-token step, with the kernel

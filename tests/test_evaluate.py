@@ -68,7 +68,8 @@ def _evaluate_on_report(
     return code, json.loads(out[-1]) if out else {}
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_evaluate_logs_to_the_training_run_and_promotes_only_at_the_gate(smollm2, mlflow_server, tmp_path, monkeypatch, capsys):
     """One real evaluation with a gate no head can reach (tau <= tree depth + 1): logged, not promoted, not an
     error. Its measured report then drives the job's gate twice more: just above tau (not promoted) and at tau
@@ -110,14 +111,20 @@ def test_evaluate_logs_to_the_training_run_and_promotes_only_at_the_gate(smollm2
     assert metrics["eval/float32-T0-seed7/tau"] == tau and metrics["eval/float32-T0/tau"] == tau
 
 
-def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothing(smollm2, mlflow_server, tmp_path):
+def test_a_head_for_another_target_revision_fails_in_one_line_and_promotes_nothing(smollm2, mlflow_server, tmp_path, monkeypatch, capsys):
+    """Bad input, so the job runs in this process (``jobs.evaluate.main``): exit 2, one line, nothing promoted."""
+    import jobs.evaluate as job
+
     client = MlflowClient(mlflow_server)
     _register_random_head(smollm2, tmp_path, mlflow_server, revision="gguf-sha256:0123456789abcdef")
     before = _production_version(client)
-    done = _evaluate(["--head", "models:/smollm2-135m-eagle@candidate", "--promote-tau", "0.0"], mlflow_server, timeout=120)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "revision" in lines[0], done.stderr
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    capsys.readouterr()
+    code = job.main(["--head", "models:/smollm2-135m-eagle@candidate", "--promote-tau", "0.0"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "revision" in err, err
     assert _production_version(client) == before
 
 

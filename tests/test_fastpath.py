@@ -21,7 +21,6 @@ from tiny import tiny_target
 # ---- incremental detokenisation ------------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_text_deltas_concatenate_to_the_decoded_text_and_decode_short_windows(smollm2):
     text = "Héllo wörld! 你好，世界。 Emoji: 🦅🚀 and code: def f(x):\n    return x ** 2  # ünïcode\n" * 8
     ids = smollm2.tokenizer.encode(text)

@@ -194,7 +194,8 @@ def test_unwritable_storage_is_one_line_exit_2(tmp_path, tiny_dir, capsys):
 # ---- the 2-worker ZeRO-3 run -----------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # shares the ~1 minute 2-worker run
+@pytest.mark.e2e  # shares the ~1 minute 2-worker Ray run
+@pytest.mark.nightly
 def test_zero3_partitions_the_target_across_the_two_ranks(run):
     partition = run["manifest"]["partition"]
     total = partition["total_numel"]
@@ -210,7 +211,8 @@ def test_zero3_partitions_the_target_across_the_two_ranks(run):
     assert steps[0] == steps[1] and sum(partition["dummy_forwards"]) > 0
 
 
-@pytest.mark.slow  # shares the ~1 minute 2-worker run
+@pytest.mark.e2e  # shares the ~1 minute 2-worker Ray run
+@pytest.mark.nightly
 def test_manifest_describes_the_features(run, tiny_dir):
     manifest = run["manifest"]
     dataset = dataset_of(run, tiny_dir)
@@ -229,7 +231,8 @@ def test_manifest_describes_the_features(run, tiny_dir):
         assert entry["tokens"] == expected_tokens
 
 
-@pytest.mark.slow  # shares the ~1 minute 2-worker run
+@pytest.mark.e2e  # shares the ~1 minute 2-worker Ray run
+@pytest.mark.nightly
 def test_sharded_features_equal_the_unsharded_model(run, tiny_dir):
     dataset = dataset_of(run, tiny_dir)
     aux = run["manifest"]["aux_layers"]
@@ -247,7 +250,8 @@ def test_sharded_features_equal_the_unsharded_model(run, tiny_dir):
         assert records[0]["id"] == f"{split}-0-0"
 
 
-@pytest.mark.slow  # shares the ~1 minute 2-worker run
+@pytest.mark.e2e  # shares the ~1 minute 2-worker Ray run
+@pytest.mark.nightly
 def test_trainer_ranks_read_disjoint_shards(run, tiny_dir):
     """Through ``jobs.layout.iter_records``, the reader jobs.train_head calls on every rank."""
     dataset = dataset_of(run, tiny_dir)
@@ -291,7 +295,8 @@ def test_the_reader_refuses_a_missing_or_foreign_manifest(tmp_path):
         layout.load_records(dataset, layout.FEATURES, "train")
 
 
-@pytest.mark.slow  # shares the ~1 minute 2-worker run
+@pytest.mark.e2e  # shares the ~1 minute 2-worker Ray run
+@pytest.mark.nightly
 def test_rerun_skips_completed_shards(run, tiny_dir):
     dataset = dataset_of(run, tiny_dir)
     shard_dir = Path(dataset.path(layout.FEATURES, "train"))
@@ -304,7 +309,8 @@ def test_rerun_skips_completed_shards(run, tiny_dir):
     assert manifest["throughput"] == run["manifest"]["throughput"]  # what the computing run measured
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_rerun_recomputes_only_a_missing_shard(run, tiny_dir):
     dataset = dataset_of(run, tiny_dir)
     shard_dir = Path(dataset.path(layout.FEATURES, "train"))

@@ -34,7 +34,7 @@ import pytest
 from mlflow_server import free_port
 from stack_helpers import BIN, ROOT, listening, stack, stack_env
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 PER_USER_VARIABLES = (
     "EAGLE_CACHE_DIR", "EAGLE_STORAGE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "TORCH_EXTENSIONS_DIR",
@@ -86,10 +86,10 @@ def test_make_quickstart_on_a_fresh_machine(tmp_path):
                                 capture_output=True, text=True, timeout=120)
         assert status.returncode == 0, status.stderr
         report = json.loads(status.stdout)
-        assert report["state"] == "ready" and report["tau"] >= 1.0 and report["outputs_match_plain"] is True, report
+        assert report["state"] == "ready" and report["outputs_match_plain"] is True, report
         assert sorted(report["jobs"]) == ["evaluating", "featurizing", "preparing", "training"]
         assert run.stdout.strip().splitlines()[-1].strip(), "the served reply is empty"
-        assert "evaluation: tau" in run.stderr, log
+        assert f"evaluation: tau {report['tau']:.2f}" in run.stderr, log  # the onboarding printed the tau the registry holds
     finally:
         subprocess.run([*make, "down"], env=env, capture_output=True, text=True, timeout=300)
         down = stack("down", env, timeout=180)

@@ -159,7 +159,8 @@ def _greedy(target, prompt: list[int], max_new_tokens: int) -> list[int]:
     return trim_at_eos(output[0, len(prompt):].tolist(), target.eos_token_ids)
 
 
-@pytest.mark.slow  # Ray start-up + a target per worker: ~30-200 s on a shared 2-core machine
+@pytest.mark.e2e  # Ray start-up + a target per worker: ~30-200 s on a shared 2-core machine
+@pytest.mark.nightly
 @pytest.mark.parametrize("workers", [1, 2])
 def test_regeneration_on_ray_workers_is_greedy_decoding_by_the_target(tmp_path, ray_cluster, smollm2, conversations, workers):
     """fp32 so that batched (left-padded) greedy equals single-prompt greedy exactly (STACK.md)."""
@@ -274,7 +275,8 @@ def test_prompts_that_leave_no_room_are_dropped(smollm2):
 # ---- resume -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_rerun_rewrites_only_the_missing_shard(tmp_path, ray_cluster, monkeypatch):
     preset = _preset(**REGEN)
     first = prepare(preset, str(tmp_path), progress=False)

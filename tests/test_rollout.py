@@ -145,7 +145,8 @@ class Load:
                 self.health.append(0)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_adding_a_pair_keeps_the_served_pair_its_replicas_and_its_streams(tmp_path, monkeypatch):
     import ray
     from ray import serve

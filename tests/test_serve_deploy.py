@@ -24,7 +24,7 @@ from serve_helpers import plain_text, register_head
 from stack_helpers import BIN, ROOT, client_env, mlflow_credentials, stack, stack_env
 from mlflow_server import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.e2e
 
 
 def deploy_config(tmp_path, http_port: int, tracking: str) -> str:

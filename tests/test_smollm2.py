@@ -11,7 +11,6 @@ import torch
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
 
-pytestmark = pytest.mark.slow
 
 TREES = [StaticTree(), DynamicTree(), DynamicTree(depth=6, top_k=8, total_tokens=48)]
 REPEATING_PROMPT = "----------------------------------------"  # SmolLM2 continues "-1000000000..."
@@ -39,12 +38,12 @@ def wrong_head(target) -> EagleHead:
 CHAT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 # (head, tree, prompt) cases: each head on the prompt where its branch of verification happens.
 CASES = [
-    ("untrained", "static", "chat"),
+    pytest.param("untrained", "static", "chat", marks=pytest.mark.nightly),
     ("untrained", "dynamic", "chat"),
-    ("wrong", "dynamic", "chat"),
-    ("copy", "static", "repeat"),
+    pytest.param("wrong", "dynamic", "chat", marks=pytest.mark.nightly),
+    pytest.param("copy", "static", "repeat", marks=pytest.mark.nightly),
     ("copy", "dynamic", "repeat"),
-    ("copy", "dynamic-wide", "repeat"),
+    pytest.param("copy", "dynamic-wide", "repeat", marks=pytest.mark.nightly),
 ]
 TREE_BY_NAME = dict(zip(["static", "dynamic", "dynamic-wide"], TREES))
 

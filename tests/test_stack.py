@@ -11,7 +11,7 @@ import pytest
 
 from stack_helpers import BIN, ROOT, client_env, listening, stack, stack_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.nightly]  # the stack itself runs under test_platform and test_fresh_machine in make test
 
 
 def test_stack_up_status_submit_down(tmp_path):

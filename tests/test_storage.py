@@ -185,7 +185,8 @@ def test_s3_missing_bucket_is_a_storage_error(s3_endpoint):
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_featurize_reads_and_writes_s3(s3_endpoint, tmp_path_factory):
     """Data shards on s3:// -> 1 ZeRO-3 worker -> feature shards + manifest on s3://, read back and equal to
     the plain model's features."""
