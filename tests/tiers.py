@@ -102,7 +102,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if report.failed:
         return
     problems = []
-    if name != "e2e":
+    if not item.get_closest_marker("e2e"):
         started = sorted({kind for argv in _LAUNCHED[item.stash.get(_FIRST_LAUNCH, 0):] if (kind := e2e_kind(argv))})
         if started:
             problems.append(f"started {', '.join(started)} without the e2e marker (tests/tiers.py): mark it e2e")
