@@ -6,7 +6,9 @@
   equals its batch-1 plain decoding token for token.
 * Batched drafting drafts, row for row, the tree that single-request drafting drafts.
 * T > 0: the first four tokens of a request decoded inside batches of other requests follow the target's
-  exact joint distribution (the statistics of tests/test_lossless_sampling.py).
+  exact joint distribution (the statistics of tests/test_lossless_sampling.py), also with each default
+  tree and a reduced draft vocabulary while greedy rows draft in the same verification forwards (those
+  still equal plain decoding).
 * Seeds: a seeded request's output does not depend on the batch it runs in, and a request resumed from
   any prefix of its output continues exactly as the uninterrupted run (greedy and seeded sampling).
 * The policy's decisions follow its measured costs.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -24,12 +27,12 @@ import torch
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
 from eagle.batch import BatchDecoder, SpeculationPolicy, step_seed
 from eagle.errors import EagleError
-from eagle.tree import HybridTree, draft_tree
+from eagle.tree import HybridTree, build_tree, draft_tree
 from eagle.verify import SamplingConfig
 from heads import good_head
 from tiny import tiny_target
 from test_lossless_sampling import (  # noqa: F401 - _one_thread: that module's autouse one-thread fixture, used here too
-    PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for,
+    PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for, restricted,
 )
 
 
@@ -68,17 +71,46 @@ TREES = {
 }
 
 
+def _recorded(policy: SpeculationPolicy) -> tuple[list[tuple[int, float, float, str]], list[float]]:
+    """Record ``policy``'s calls from now on: every ``choose`` as (batch, tau and break-even at that moment,
+    decision), and every value it ``observe``s."""
+    choices: list[tuple[int, float, float, str]] = []
+    observed: list[float] = []
+    choose, observe = policy.choose, policy.observe
+
+    def recording_choose(batch: int) -> str:
+        tau, even = policy.tau, policy.break_even(batch)
+        decision = choose(batch)
+        choices.append((batch, tau, even, decision))
+        return decision
+
+    def recording_observe(tokens_per_row: float) -> None:
+        observed.append(tokens_per_row)
+        observe(tokens_per_row)
+
+    policy.choose, policy.observe = recording_choose, recording_observe
+    return choices, observed
+
+
 @pytest.mark.parametrize("head_kind", ["good", "untrained"])
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("speculate", ["always", "never", "auto"])
 def test_greedy_in_a_mixed_batch_equals_batch_one_plain_decoding(head_kind, tree, speculate):
+    """Every request equals its batch-1 plain decoding. The steps drafted exactly when the policy said so:
+    every row of a step records the step's batch and decision, the policy's own counts agree, and each
+    drafting step fed its acceptance back. Under "auto" (measured costs, a prior at the break-even so the
+    first step drafts) each decision follows the policy's rule at that moment: draft iff its tau reached
+    the break-even at that batch size."""
     target = _greedy_target()
     head = good_head(target) if head_kind == "good" else EagleHead.for_target(target, seed=1)
     decoder = Decoder(target, head, TREES[tree])
     engine = BatchDecoder(decoder, max_batch=4, max_context=256, speculate=speculate)
-    if speculate == "auto":  # measured costs; explore often so that both kinds of step happen
+    if speculate == "auto":  # measured costs (on a loaded CPU they vary from run to run); explore often
         engine.warmup(repeats=1)
         engine.policy.explore_every = 3
+        # the prior: drafting just pays at every batch size, so the first step drafts; what the steps accept decides the rest
+        engine.policy.tau = max(engine.policy.break_even(batch) for batch in range(1, 5))
+    choices, observed = _recorded(engine.policy)
     prompts = _prompts(9, seed=len(tree))
     jobs = []
     for i, prompt in enumerate(prompts):
@@ -92,11 +124,23 @@ def test_greedy_in_a_mixed_batch_equals_batch_one_plain_decoding(head_kind, tree
         assert request.token_ids == _plain(target, prompt, config), (prompt, config)
         batches.update(step.batch for step in request.steps)
     assert max(batches) >= 3, batches  # the requests really shared steps
-    policies = {step.policy for r in requests for step in r.steps}
-    expected = {"always": {"draft"}, "never": {"plain"}}.get(speculate)
-    assert policies == expected if expected else {"plain", "draft", "explore"} & policies, policies
-    if head_kind == "good" and speculate == "always":
-        assert sum(s.accepted for r in requests for s in r.steps) > 0  # drafts were accepted inside the batch
+    steps = [step for r in requests for step in r.steps]
+    assert all((step.tree_size > 0) == (step.policy != "plain") for step in steps)  # drafted iff the policy said so
+    # a step of b rows is recorded by each of its b rows, with its batch size and the policy's decision
+    assert len(choices) == engine.steps
+    per_step = Counter((batch, decision) for batch, _, _, decision in choices)
+    assert Counter((step.batch, step.policy) for step in steps) == {key: n * key[0] for key, n in per_step.items()}
+    decisions = Counter(decision for *_, decision in choices)
+    assert engine.policy.report()["decisions"] == {kind: decisions[kind] for kind in ("draft", "plain", "explore")}
+    drafting = decisions["draft"] + decisions["explore"]
+    assert len(observed) == drafting and all(value >= 1 for value in observed)  # accepted + 1 tokens per row
+    if speculate == "auto":
+        assert choices[0][3] == "draft", choices[0]  # the prior's first step
+        assert all((decision == "draft") == (tau >= even) for _, tau, even, decision in choices), choices
+    else:
+        assert set(decisions) == {"always": {"draft"}, "never": {"plain"}}[speculate], decisions
+    if head_kind == "good" and speculate != "never":
+        assert sum(s.accepted for s in steps) > 0  # drafts were accepted inside the batch
 
 
 @pytest.mark.parametrize("tree", list(TREES))
@@ -164,10 +208,15 @@ def test_the_head_consumes_a_prompt_only_when_its_row_first_drafts():
     assert_caught_up()
 
 
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
 @pytest.mark.parametrize("spec", [DynamicTree(depth=4, top_k=3, total_tokens=10), StaticTree(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))])
-def test_batched_drafting_drafts_each_rows_single_request_tree(spec):
+def test_batched_drafting_drafts_each_rows_single_request_tree(spec, vocab):
+    """Also for a head with a reduced draft vocabulary (the even tokens: d2t maps draft ids to target ids):
+    with test_sampled_and_greedy_rows_verified_together_stay_lossless, which samples through batched
+    drafting, this carries the T > 0 check of such heads over to single-request drafting."""
     target = _greedy_target()
-    decoder = Decoder(target, good_head(target), spec)
+    head = good_head(target) if vocab == "full" else restricted(good_head(target), target, torch.arange(0, 64, 2))
+    decoder = Decoder(target, head, spec)
     engine = BatchDecoder(decoder, max_batch=3, max_context=128)
     for prompt in _prompts(3, 11):
         engine.submit(prompt, GenerationConfig(max_new_tokens=50, stop_token_ids=[]))
@@ -182,6 +231,7 @@ def test_batched_drafting_drafts_each_rows_single_request_tree(spec):
         assert tree.tokens.tolist() == single.tokens.tolist()
         assert tree.parents.tolist() == single.parents.tolist()
         torch.testing.assert_close(tree.scores, single.scores, atol=1e-5, rtol=1e-5)  # fp32 GEMMs of another shape
+        assert vocab == "full" or all(token % 2 == 0 for token in tree.tokens[1:].tolist())  # drafted in its vocabulary
 
 
 def test_a_request_sampled_inside_batches_follows_the_targets_distribution():
@@ -211,6 +261,60 @@ def test_a_request_sampled_inside_batches_follows_the_targets_distribution():
             accepted.extend(step.accepted for step in request.steps)
     assert_matches(counts, joint_for(T1), "inside a batch")
     assert any(a >= 2 for a in accepted)
+
+
+# the engine's default tree of each kind (``build_tree``: the CLI's and the Serve pairs' defaults); "auto"
+# resolves by measurement to a DynamicTree within its bounds
+DEFAULT_TREES = {kind: build_tree(kind) for kind in ("dynamic", "static", "hybrid")}
+# a quarter of RUNS, as test_statistics_reject_a_verifier_that_skips_the_residual: by simulation it rejects a
+# bias of TV ~0.1 (verification at temperature 1.2) 100 % of the time, one of TV ~0.05 (1.1) only about half
+MIXED_RUNS = RUNS // 4
+MIXED_OURS = 56  # requests of PROMPT per batch, beside the greedy rows
+
+
+@functools.cache
+def _greedy_rows() -> tuple[tuple[list[int], GenerationConfig, list[int]], ...]:
+    """Eight greedy requests of other prompts on the sampling target, each with its batch-1 plain decoding."""
+    rng = random.Random(9)
+    rows = []
+    for _ in range(8):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 9))]
+        config = GenerationConfig(max_new_tokens=rng.randrange(TOKENS, 8), stop_token_ids=[])  # about as long as ours
+        rows.append((prompt, config, _plain(_target(), prompt, config)))
+    return tuple(rows)
+
+
+@pytest.mark.parametrize("kind", list(DEFAULT_TREES))
+def test_sampled_and_greedy_rows_verified_together_stay_lossless(kind):
+    """The serving configuration at T > 0: each default tree, a head with a reduced draft vocabulary (which
+    leaves out the target's most frequent token, ``draft_vocab``), speculate="always". MIXED_RUNS requests
+    of PROMPT at T=1 (unseeded) decode 56 at a time beside 8 greedy requests of other prompts, all admitted
+    in one step, so their first steps share one drafting verification forward: counts of the sampled
+    requests' first TOKENS tokens against the exact joint, and every greedy request equals its plain
+    decoding."""
+    torch.manual_seed(0)  # the unseeded requests' streams come from torch's global generator
+    target, head = _target(), _head("reduced")
+    engine = BatchDecoder(Decoder(target, head, DEFAULT_TREES[kind]), max_batch=64, max_context=64, speculate="always")
+    greedy = _greedy_rows()
+    counts = np.zeros(VOCAB**TOKENS, dtype=np.int64)
+    accepted = []
+    for start in range(0, MIXED_RUNS, MIXED_OURS):
+        ours = [engine.submit(PROMPT, GenerationConfig(max_new_tokens=TOKENS, sampling=T1, stop_token_ids=[]))
+                for _ in range(start, min(start + MIXED_OURS, MIXED_RUNS))]
+        theirs = [engine.submit(prompt, config) for prompt, config, _ in greedy]
+        engine.run_until_done()
+        assert [r.token_ids for r in theirs] == [plain for *_, plain in greedy]
+        # one verification forward held every row, each with a drafted tree
+        assert {(r.steps[0].batch, r.steps[0].tree_size > 0) for r in ours + theirs} == {(len(ours) + len(theirs), True)}
+        for request in ours:
+            assert len(request.token_ids) == TOKENS
+            index = 0
+            for token in request.token_ids:
+                index = index * VOCAB + token
+            counts[index] += 1
+            accepted.extend(step.accepted for step in request.steps)
+    assert_matches(counts, joint_for(T1), f"{kind} tree, reduced draft vocabulary, beside greedy rows")
+    assert any(a >= 3 for a in accepted) and any(a == 0 for a in accepted), np.bincount(accepted)
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "seeded-T1"])
@@ -330,51 +434,88 @@ def test_step_seed_depends_on_seed_and_position_only():
     assert len({step_seed(s, p) for s in range(30) for p in range(30)}) == 900
 
 
+def _modules_of(kind, *modules: torch.nn.Module) -> list[str]:
+    """Names of the ``kind`` modules in ``modules`` (shared submodules listed under every name)."""
+    return [f"{i}.{name}" for i, module in enumerate(modules)
+            for name, m in module.named_modules(remove_duplicate=False) if isinstance(m, kind)]
+
+
 def test_packed_linears_compute_what_the_linears_do():
-    """The batched path's prepacked oneDNN linears (bf16) equal F.linear, and packing covers every linear
-    the lean model calls. ``packable`` tells the truth: where it says no (an AVX2-only CPU's oneDNN does not
-    pack bf16), packing fails, and the runtimes keep plain linears."""
-    from eagle.runtime import PackedLinear, pack_linears, packable
+    """``packable`` tells the truth, and the batched path's target model (``TargetRuntime.rows_model`` under
+    compile "on") computes what the plain lean model does, on either kind of CPU. Where oneDNN packs bf16:
+    a ``PackedLinear`` equals F.linear, and every linear the lean model calls is packed. Where it does not
+    (an AVX2-only CPU): packing raises, and the runtime keeps the compiled graphs' own plain-linear model."""
+    from eagle.compile import CompileConfig
     from eagle.model import LeanModel
+    from eagle.runtime import PackedLinear, TargetRuntime, packable
 
     linear = torch.nn.Linear(48, 80, bias=True).to(torch.bfloat16)
-    if not packable(linear.weight):
+    x = torch.randn(3, 5, 48, dtype=torch.bfloat16)
+    if packable(linear.weight):
+        with torch.inference_mode():
+            assert torch.equal(PackedLinear(linear)(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
+    else:
         with pytest.raises(RuntimeError):
             PackedLinear(linear)
-        return
-    packed = PackedLinear(linear)
-    x = torch.randn(3, 5, 48, dtype=torch.bfloat16)
-    with torch.inference_mode():
-        assert torch.equal(packed(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
     target = tiny_target("qwen2", vocab_size=64, hidden_size=32, layers=2, dtype=torch.bfloat16)
-    lean = pack_linears(LeanModel(target.backbone, target.lm_head, target.config, 256))
-    assert not [name for name, m in lean.named_modules() if isinstance(m, torch.nn.Linear)]
-    assert sum(isinstance(m, PackedLinear) for m in lean.modules()) == 2 * 7 + 1
+    runtime = TargetRuntime(target, CompileConfig(mode="on", autotune=False))
+    rows = runtime.rows_model
+    if packable(target.lm_head.weight):
+        assert rows is not runtime.model  # its own instance: the compiled graphs' model keeps its linears
+        assert not _modules_of(torch.nn.Linear, rows) and len(_modules_of(PackedLinear, rows)) == 2 * 7 + 1
+    else:
+        assert rows is runtime.model
+        assert not _modules_of(PackedLinear, rows) and len(_modules_of(torch.nn.Linear, rows)) == 2 * 7 + 1
+    assert not _modules_of(PackedLinear, runtime.model, target.model)
     plain = LeanModel(target.backbone, target.lm_head, target.config, 256)
-    ids = torch.tensor([[3, 9, 27, 5]])
-    positions = torch.arange(4)[None]
-    mask = torch.ones(4, 4, dtype=torch.bool).tril()[None, None]
+    ids = torch.tensor([[3, 9, 27, 5], [60, 1, 1, 44]], device=target.device)
+    positions = torch.arange(4, device=target.device).expand(2, 4)
+    mask = torch.ones(4, 4, dtype=torch.bool, device=target.device).tril().expand(2, 1, 4, 4)
     with torch.inference_mode():
-        outputs = [model(ids, positions, positions[0], mask, cache.keys, cache.values)
-                   for model, cache in ((plain, plain.new_cache(64)), (lean, lean.new_cache(64)))]
-    assert torch.equal(outputs[0], outputs[1])  # the same oneDNN kernels on prepacked weights
+        outputs = [model.step_rows(ids, positions, positions, mask, cache.keys, cache.values)
+                   for model, cache in ((plain, plain.new_cache(64, 2)), (rows, rows.new_cache(64, 2)))]
+    for want, got in zip(*outputs):  # head input, logits, greedy ids: the same oneDNN kernels on prepacked weights
+        assert torch.equal(got, want)
 
 
 def test_packing_a_lean_head_leaves_the_shared_head_as_it_is():
-    """The batched path packs its own LeanHead; the EagleHead inside it is shared with the compiled
-    single-request graphs, which guard on its modules' types (an EAGLE-3 head's lm_head)."""
+    """The batched path's runtimes under compile "on" (``HeadRuntime.rows_lean``, ``TargetRuntime.rows_model``)
+    pack their own lean instances where ``packable`` says oneDNN packs bf16, and keep the compiled graphs'
+    plain-linear instances where it does not (an AVX2-only CPU). Either way the EagleHead inside is shared
+    with the compiled single-request graphs, which guard on its modules' types (an EAGLE-3 head's lm_head):
+    those stay as they were, and the head's rows path computes what an unpacked lean head computes."""
+    from eagle.compile import CompileConfig
     from eagle.head import LeanHead
-    from eagle.runtime import PackedLinear, pack_linears, packable
+    from eagle.runtime import HeadRuntime, PackedLinear, TargetRuntime, packable
 
     target = tiny_target("llama", vocab_size=64, hidden_size=32, layers=6, dtype=torch.bfloat16)
-    head = good_head(target, kind="eagle3")
-    if not packable(head.fc.weight):
-        pytest.skip("this CPU's oneDNN does not pack bf16 weights: the runtimes keep plain linears")
+    head = EagleHead.for_target(target, seed=1, kind="eagle3")  # untrained: packing does not read its values
+    compile = CompileConfig(mode="on", autotune=False)
     before = {name: type(m) for name, m in head.named_modules()}
-    lean = pack_linears(LeanHead(head, 256))
-    assert isinstance(lean.fc, PackedLinear) and isinstance(lean.layers[0].q_proj, PackedLinear)
+    heads, runtime = HeadRuntime(head, target, compile), TargetRuntime(target, compile, head.config.head_layers)
+    lean, model = heads.rows_lean, runtime.rows_model
+    own = lambda m: [n for n in _modules_of(torch.nn.Linear, m) if not n.startswith("0.head.")]  # noqa: E731 - not the shared head's
+    if packable(head.fc.weight):
+        assert lean is not heads.lean and model is not runtime.model
+        assert isinstance(lean.fc, PackedLinear) and isinstance(lean.layers[0].q_proj, PackedLinear)
+        assert not own(lean) and not own(model) and len(_modules_of(PackedLinear, model)) == 6 * 7 + 1
+    else:
+        assert lean is heads.lean and model is runtime.model
+        assert not _modules_of(PackedLinear, lean, model) and type(lean.fc) is torch.nn.Linear
+        assert len(own(lean)) == 1 + 7 and len(own(model)) == 6 * 7 + 1  # fc and the layer's linears; the target's
+    assert not _modules_of(PackedLinear, head, heads.lean, runtime.model)
     assert {name: type(m) for name, m in head.named_modules()} == before
     assert type(head.lm_head) is torch.nn.Linear and type(head.fc) is torch.nn.Linear
+    unpacked = LeanHead(head, 256)
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(2, 5, unpacked.input_size, generator=generator).to(torch.bfloat16).to(target.device)
+    tokens = torch.randint(0, 64, (2, 5), generator=generator).to(target.device)
+    positions = torch.arange(5, device=target.device).expand(2, 5)
+    mask = torch.ones(5, 5, dtype=torch.bool, device=target.device).tril().expand(2, 1, 5, 5)
+    with torch.inference_mode():
+        got, want = (m(features, tokens, positions, positions, mask, cache.keys, cache.values)
+                     for m, cache in ((lean, lean.new_cache(64, 2)), (unpacked, unpacked.new_cache(64, 2))))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.slow
@@ -396,13 +537,40 @@ def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
     assert {step.batch for step in requests[0].steps} >= {1, 2}
 
 
+def _recorded_forwards(engine: BatchDecoder) -> list[tuple[int, int, int | None]]:
+    """Record every target forward ``engine`` runs from now on: (rows, tokens per row, the batch graph it ran
+    or None when it ran eagerly or on the single-request graphs)."""
+    forwards: list[tuple[int, int, int | None]] = []
+    graphs: list[int] = []
+    rows_step, target_rows = engine.runtime.rows_step, engine._target_rows
+
+    def recording_rows_step(batch: int):
+        graph = rows_step(batch)
+
+        def call(*args):
+            graphs.append(batch)
+            return graph(*args)
+
+        return call
+
+    def recording_target_rows(ids, *args):
+        before = len(graphs)
+        out = target_rows(ids, *args)
+        forwards.append((*ids.shape, graphs[-1] if len(graphs) > before else None))
+        return out
+
+    engine.runtime.rows_step, engine._target_rows = recording_rows_step, recording_target_rows
+    return forwards
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
 def test_batch_graphs_pad_plain_steps_and_stay_lossless(cpp_wrapper):
     """``graphs=(2, 4)``: plain steps of 2 rows run the 2-row graph, of 3-4 rows the 4-row graph (3 padded
-    up), of 5 rows the eager step; drafting steps stay eager. Every output equals plain decoding, and the
-    steps really ran at each of those sizes with both graphs compiled. Also with inductor's C++ wrapper,
-    which the Serve pairs compile with (``CompileConfig.cpp_wrapper``)."""
+    up), of 5 rows the eager step; drafting steps (an exploring step every third one) stay eager. Every
+    output equals plain decoding, and the steps really ran at each of those sizes with both graphs
+    compiled, drafting steps among them. Also with inductor's C++ wrapper, which the Serve pairs compile
+    with (``CompileConfig.cpp_wrapper``)."""
     from eagle.compile import CompileConfig
 
     target = _greedy_target()
@@ -412,13 +580,22 @@ def test_batch_graphs_pad_plain_steps_and_stay_lossless(cpp_wrapper):
     assert engine.graphs == (2, 4)
     engine.warmup(repeats=1)
     assert set(decoder.runtime.compile_seconds()) >= {f"{target.name} rows[2]", f"{target.name} rows[4]"}
-    engine.policy.explore_every = 3  # drafting steps between the plain ones
+    # the measured costs vary with the machine's load: a fixed schedule instead (drafting costs 2 plain
+    # steps, tau stays 1, no backoff): plain, plain, explore, plain, plain, explore, ...
+    engine.policy = SpeculationPolicy({1: 1.0}, {1: 2.0}, prior_tau=1.0, smoothing=0.0, explore_every=3, explore_backoff=1)
+    forwards = _recorded_forwards(engine)
     jobs = [(i, prompt, GenerationConfig(max_new_tokens=6 + 5 * (i % 3), stop_token_ids=[])) for i, prompt in enumerate(_prompts(7, 43))]
     requests = _run_mixed(engine, jobs)
     for (_, prompt, config), request in zip(jobs, requests):
         assert request.error is None and request.token_ids == _plain(target, prompt, config), (prompt, config)
-    plain_batches = {step.batch for r in requests for step in r.steps if step.policy == "plain"}
+    steps = [step for r in requests for step in r.steps]
+    plain_batches = {step.batch for step in steps if step.policy == "plain"}
     assert {2, 3, 4, 5} <= plain_batches, plain_batches
+    assert {step.batch for step in steps if step.policy == "explore" and step.tree_size > 0} & {2, 3, 4, 5}  # batched drafting steps ran
+    assert len(forwards) == engine.steps
+    padded = {1: None, 2: 2, 3: 4, 4: 4, 5: None}
+    assert all(graph == (padded[rows] if width == 1 else None) for rows, width, graph in forwards), forwards
+    assert {graph for *_, graph in forwards} == {None, 2, 4} and any(width > 1 and rows > 1 for rows, width, _ in forwards)
 
 
 def test_batch_graphs_are_checked():

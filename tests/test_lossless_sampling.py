@@ -71,10 +71,34 @@ def _target():
 
 @functools.cache
 def _head(kind: str) -> EagleHead:
+    """"good" (trained), "untrained", "eagle3" (trained), or "reduced": the good head's weights drafting from
+    ``draft_vocab()`` only (a reduced draft vocabulary, d2t / t2d, as every trained head has)."""
     target = _target()
     if kind == "eagle3":
         return good_head(target, kind="eagle3")
+    if kind == "reduced":
+        return restricted(_head("good"), target, draft_vocab())
     return good_head(target) if kind == "good" else EagleHead.for_target(target, seed=0)
+
+
+def restricted(head: EagleHead, target, vocab: torch.Tensor) -> EagleHead:
+    """A full-vocabulary EAGLE-1 ``head``'s weights in a head whose draft vocabulary is ``vocab`` (target ids):
+    it drafts the best tokens of ``vocab`` by the same scores."""
+    reduced = EagleHead.for_target(target, seed=0, draft_token_ids=vocab)
+    missing, unexpected = reduced.load_state_dict(head.state_dict(), strict=False)
+    assert sorted(missing) == ["d2t", "t2d"] and not unexpected
+    return reduced.eval()
+
+
+def draft_vocab() -> torch.Tensor:
+    """Every token but the one the target emits most often in its first TOKENS tokens after PROMPT (T = 1):
+    a reduced head never drafts that token, so it comes out of rejections' residuals and bonus draws, and
+    the draft ids map to target ids through a non-trivial d2t (the left-out token is not the last one)."""
+    joint = exact_joint(1.0).reshape((VOCAB,) * TOKENS)
+    frequency = sum(joint.sum(axis=tuple(a for a in range(TOKENS) if a != t)) for t in range(TOKENS))  # [V]: expected count
+    left_out = int(np.argmax(frequency))
+    assert left_out != VOCAB - 1, frequency
+    return torch.tensor([token for token in range(VOCAB) if token != left_out])
 
 
 # ---- the exact distribution, independently of the engine ----------------------------------------------
