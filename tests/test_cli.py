@@ -31,13 +31,28 @@ def test_the_decoding_commands_compile_by_default():
         assert parser.parse_args(command).compile == "on"
 
 
+def check_generate_counts(record: dict, max_new_tokens: int) -> None:
+    """A ``generate --json`` record's counts agree whatever the head accepted: the completion is the prefill's
+    token plus each step's accepted + 1 tokens, only the last step cut short (by the budget or a stop token);
+    ``finish_reason`` "length" means the budget was spent; tau is the steps' mean of accepted + 1."""
+    accepted = record["accepted_per_step"]
+    assert accepted and min(accepted) >= 0, record
+    before_last = 1 + sum(a + 1 for a in accepted[:-1])
+    assert before_last < record["completion_tokens"] <= before_last + accepted[-1] + 1, record
+    assert record["finish_reason"] in ("length", "stop") and record["completion_tokens"] <= max_new_tokens
+    if record["finish_reason"] == "length":
+        assert record["completion_tokens"] == max_new_tokens, record
+    assert record["tau"] == round(sum(a + 1 for a in accepted) / len(accepted), 4)
+
+
 def test_generate_json_reports_text_and_stats():
+    """``generate --json`` prints one JSON record: the text, and counts consistent with each other (above)."""
     out = run("generate", "--head", "random", "--chat", "Name three colours.", "--max-new-tokens", "12", "--json", "--tree", "static",
               "--compile", "off")
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
-    assert record["completion_tokens"] == len(record["accepted_per_step"]) + 1 or record["finish_reason"] == "stop"
-    assert record["text"].strip() and record["tau"] >= 1.0
+    check_generate_counts(record, 12)
+    assert record["text"].strip() and record["prompt_tokens"] > 0
 
 
 def test_generate_stream_prints_text():

@@ -190,25 +190,42 @@ def test_a_crash_between_state_and_submission_submits_the_same_id_once(world):
 
 
 def test_one_pipeline_per_target_and_a_global_cap(world):
-    a, b = f"{world.prefix}-a", f"{world.prefix}-b"
-    other = world.tmp / "allowed" / "other"
+    """The queue (module docstring, "Scheduling"), with a cap of 2: versions onboarded in an order unlike their
+    names' (c1, c2, a1, b1) start oldest first, a target that runs one already skipped (c2 lets a1 pass); each
+    slot a pipeline frees, by failing (c1) or by becoming ready (a1), goes to the oldest version that may start;
+    never more than 2 pipelines run, nor 2 of one target, and the queue drains."""
+    world.reconciler.settings.max_concurrent = 2
+    a, b, c = (f"{world.prefix}-{letter}" for letter in "abc")
+    other = world.tmp / "allowed" / "other"  # a second source: a second version of c
     other.mkdir()
     for path in world.model.iterdir():
         (other / path.name).write_bytes(path.read_bytes())
-    world.reconciler.onboard(a, str(world.model))
-    world.reconciler.onboard(b, str(world.model))
-    world.reconciler.reconcile_once()
-    assert [world.reconciler.status(n)["state"] for n in (a, b)] == ["preparing", "registered"]  # the cap is 1
-    world.reconciler.onboard(a, str(other))  # a second version of a waits for the first
-    world.reconciler.reconcile_once()
-    assert world.reconciler.versions(a)[-1]["pipeline"]["state"] == "registered"
-    for _ in range(6):
-        for sid in world.jobs.running():
-            world.jobs.finish(sid)
+    onboarded = [(c, "1", world.model), (c, "2", other), (a, "1", world.model), (b, "1", world.model)]
+    for name, number, source in onboarded:
+        assert world.reconciler.onboard(name, str(source))["version"] == number
+
+    def versions() -> list[dict]:
+        return [next(v for v in world.reconciler.versions(name) if v["version"] == number) for name, number, _ in onboarded]
+
+    def reconcile() -> list[str]:
+        """One pass, the invariants checked after it, and the states of c1, c2, a1, b1."""
         world.reconciler.reconcile_once()
-    states = {n: [v["pipeline"]["state"] for v in world.reconciler.versions(n)] for n in (a, b)}
-    assert states[a][0] == "ready"
-    assert len(world.jobs.running()) <= 1
+        running = world.jobs.running()
+        assert len({world.jobs.jobs[sid]["metadata"]["eagle_target"] for sid in running}) == len(running) <= 2, running
+        return [v["pipeline"]["state"] for v in versions()]
+
+    created = [v["created_ms"] for v in versions()]
+    assert created == sorted(set(created))  # the registration times, which order the queue, follow the onboarding
+    assert reconcile() == ["preparing", "registered", "preparing", "registered"]  # c2 waits for c1, b1 for the cap
+    world.jobs.fail(submission_id(c, "1", "preparing", 1))
+    assert reconcile() == ["failed", "preparing", "preparing", "registered"]  # c1's slot: c2 is older than b1
+    stages = ("preparing", "featurizing", "training", "evaluating", "ready")
+    for stage, following in zip(stages, stages[1:]):  # a1 runs to the end; b1 waits for its slot
+        world.jobs.finish(submission_id(a, "1", stage, 1))
+        assert reconcile() == ["failed", "preparing", following, "registered" if following != "ready" else "preparing"]
+    started = [sid for sid in world.jobs.submitted if "-preparing-" in sid]
+    assert started == [submission_id(name, number, "preparing", 1) for name, number in ((c, "1"), (a, "1"), (c, "2"), (b, "1"))]
+    assert len(world.jobs.submitted) == len(set(world.jobs.submitted))  # every job once
 
 
 def test_the_gate_keeps_production_when_tau_is_low_or_outputs_differ(world):

@@ -313,7 +313,9 @@ def test_eaglectl_generates_with_a_registered_head(reg, smollm2, tmp_path, capsy
     out, err = capsys.readouterr()
     assert code == 0, err
     record = json.loads(out.strip().splitlines()[-1])
-    assert 1 <= record["completion_tokens"] <= 4 and record["tau"] >= 1.0
+    accepted = record["accepted_per_step"]  # the prefill's token, then accepted + 1 per step, the last step cut to the budget
+    assert accepted and 1 + sum(a + 1 for a in accepted[:-1]) < record["completion_tokens"] <= min(4, 1 + sum(a + 1 for a in accepted))
+    assert record["tau"] == round(sum(a + 1 for a in accepted) / len(accepted), 4)
 
 
 def test_a_tracking_server_restart_is_waited_out_and_a_dead_one_is_not_bad_input(tmp_path, monkeypatch):
