@@ -518,7 +518,6 @@ def test_packing_a_lean_head_leaves_the_shared_head_as_it_is():
     assert torch.equal(got, want)
 
 
-@pytest.mark.slow
 def test_compiled_batch_of_one_and_eager_batches_stay_lossless():
     """Under compile="on" a batch of one runs the compiled single-request graphs and larger batches the eager
     batched path; requests move between the two as others join and leave: outputs still equal plain decoding."""
@@ -563,7 +562,7 @@ def _recorded_forwards(engine: BatchDecoder) -> list[tuple[int, int, int | None]
     return forwards
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # compiles two batch graphs per wrapper
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
 def test_batch_graphs_pad_plain_steps_and_stay_lossless(cpp_wrapper):
     """``graphs=(2, 4)``: plain steps of 2 rows run the 2-row graph, of 3-4 rows the 4-row graph (3 padded

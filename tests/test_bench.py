@@ -228,7 +228,7 @@ def test_spread_prompts_take_the_first_of_every_category_in_turn():
     assert list(counts.values()) == [2, 2, 2, 1, 1, 1, 1, 1] and eleven == sorted(eleven, key=every.index)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # SmolLM2 through the whole bench
 def test_smollm2_eagle_matches_plain_greedy():
     target = load_target("smollm2-135m", dtype="float32")
     head = EagleHead.for_target(target, seed=0)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 EAGLECTL = shutil.which("eaglectl", path=str(Path(sys.executable).parent)) or "eaglectl"
 
@@ -45,6 +44,7 @@ def check_generate_counts(record: dict, max_new_tokens: int) -> None:
     assert record["tau"] == round(sum(a + 1 for a in accepted) / len(accepted), 4)
 
 
+@pytest.mark.nightly  # eaglectl loads SmolLM2 in its own process
 def test_generate_json_reports_text_and_stats():
     """``generate --json`` prints one JSON record: the text, and counts consistent with each other (above)."""
     out = run("generate", "--head", "random", "--chat", "Name three colours.", "--max-new-tokens", "12", "--json", "--tree", "static",
@@ -55,12 +55,14 @@ def test_generate_json_reports_text_and_stats():
     assert record["text"].strip() and record["prompt_tokens"] > 0
 
 
+@pytest.mark.nightly  # eaglectl loads SmolLM2 in its own process
 def test_generate_stream_prints_text():
     out = run("generate", "--prompt", "The capital of France is", "--max-new-tokens", "6", "--stream", "--head", "random", "--compile", "off")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
 
 
+@pytest.mark.nightly  # eaglectl loads SmolLM2 in its own process
 def test_bench_float32_matches_plain_on_a_prompt_file(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Explain what a hash map is."}) + "\n")

@@ -251,8 +251,8 @@ CONFIGS = [
     pytest.param("good", DEEP_STATIC, TRUNCATED, "off", id="good-deep-static-T0.7-top_p0.9-top_k3"),
     pytest.param("good", HybridTree(DEEP_DYNAMIC, branch_tokens=4), T1, "off", id="good-hybrid"),
     pytest.param("eagle3", DEEP_DYNAMIC, T1, "off", id="eagle3-deep-dynamic"),
-    pytest.param("good", DEEP_DYNAMIC, TRUNCATED, "on", id="good-deep-dynamic-truncated-compiled", marks=pytest.mark.slow),
-    pytest.param("good", HybridTree(SMALL_STATIC, branch_tokens=4), T1, "on", id="good-hybrid-compiled", marks=pytest.mark.slow),
+    pytest.param("good", DEEP_DYNAMIC, TRUNCATED, "on", id="good-deep-dynamic-truncated-compiled", marks=pytest.mark.nightly),
+    pytest.param("good", HybridTree(SMALL_STATIC, branch_tokens=4), T1, "on", id="good-hybrid-compiled", marks=pytest.mark.nightly),
 ]
 
 

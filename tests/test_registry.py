@@ -292,7 +292,7 @@ def test_eaglectl_unknown_alias_or_scheme_exits_2_in_one_line(mlflow_env, capsys
         assert not any("Traceback" in line for line in err)
 
 
-@pytest.mark.slow
+@pytest.mark.nightly  # eaglectl loads SmolLM2 in its own process
 def test_eaglectl_generates_with_a_registered_head(reg, smollm2, tmp_path, capsys):
     from eagle.cli import main
     from eagle.head import EagleHead
