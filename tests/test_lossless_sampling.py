@@ -245,12 +245,15 @@ def test_plain_sampling_matches_the_exact_joint() -> None:
     assert_matches(counts, joint_for(T1), "plain sampling")
 
 
+# 10,000 sampled runs each (~1-2 minutes on 2 cores): make test keeps a trained head on the dynamic tree at T=1 and on
+# the static tree with temperature, top-p and top-k; tests/test_batch.py's batched T>0 tests cover the default trees and
+# a reduced draft vocabulary in make test. The rest, and the compiled cases, are nightly.
 CONFIGS = [
-    pytest.param("untrained", DEEP_STATIC, T1, "off", id="untrained-deep-static"),
+    pytest.param("untrained", DEEP_STATIC, T1, "off", id="untrained-deep-static", marks=pytest.mark.nightly),
     pytest.param("good", DEEP_DYNAMIC, T1, "off", id="good-deep-dynamic"),
     pytest.param("good", DEEP_STATIC, TRUNCATED, "off", id="good-deep-static-T0.7-top_p0.9-top_k3"),
-    pytest.param("good", HybridTree(DEEP_DYNAMIC, branch_tokens=4), T1, "off", id="good-hybrid"),
-    pytest.param("eagle3", DEEP_DYNAMIC, T1, "off", id="eagle3-deep-dynamic"),
+    pytest.param("good", HybridTree(DEEP_DYNAMIC, branch_tokens=4), T1, "off", id="good-hybrid", marks=pytest.mark.nightly),
+    pytest.param("eagle3", DEEP_DYNAMIC, T1, "off", id="eagle3-deep-dynamic", marks=pytest.mark.nightly),
     pytest.param("good", DEEP_DYNAMIC, TRUNCATED, "on", id="good-deep-dynamic-truncated-compiled", marks=pytest.mark.nightly),
     pytest.param("good", HybridTree(SMALL_STATIC, branch_tokens=4), T1, "on", id="good-hybrid-compiled", marks=pytest.mark.nightly),
 ]
@@ -305,6 +308,7 @@ def test_the_statistics_have_power_against_a_small_bias() -> None:
     assert power >= 0.99 and false_alarms <= 0.02
 
 
+@pytest.mark.nightly  # 10,000 sampled runs, ~1-2 minutes on 2 cores
 def test_an_injected_bias_in_verification_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Verification that reads the target at temperature x1.1 (the prefill's token stays right) is rejected."""
     honest = eagle.verify.processed_probs
@@ -335,6 +339,7 @@ def _verify_without_residual(tree: DraftTree, probs, generator) -> Acceptance:
         node = accepted
 
 
+@pytest.mark.nightly  # 10,000 sampled runs, ~1-2 minutes on 2 cores
 def test_statistics_reject_a_verifier_that_skips_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run through the engine; a quarter of the sample size already suffices."""
     monkeypatch.setattr(eagle.generate, "sample_verify", _verify_without_residual)
