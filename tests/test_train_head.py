@@ -80,14 +80,31 @@ def _train_workers(root_pid: int) -> list[psutil.Process]:
     return workers
 
 
-def _registered_checkpoint(experiment_dir) -> str | None:
-    """The latest checkpoint Ray Train's controller has registered for the run in ``experiment_dir``, as its
-    checkpoint manager's snapshot names it (written after each registration), or None."""
+def _registered_step(experiment_dir) -> int | None:
+    """The step of the latest checkpoint Ray Train's controller has registered for the run in ``experiment_dir``
+    (the metrics the workers reported with it, in its checkpoint manager's snapshot, written after each
+    registration), or None."""
     try:
         snapshot = json.loads((experiment_dir / "checkpoint_manager_snapshot.json").read_text())
     except (OSError, ValueError):  # not written yet, or read while it is being written
         return None
-    return (snapshot.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name")
+    latest = snapshot.get("latest_checkpoint_result")
+    return int(latest["metrics"]["step"]) if latest else None
+
+
+def _run_id(client: MlflowClient, run_name: str) -> str | None:
+    """The id of the job's MLflow run ``run_name``, or None before the job has made it."""
+    experiment = client.get_experiment_by_name("eagle-heads")
+    runs = client.search_runs([experiment.experiment_id], f"attributes.run_name = '{run_name}'") if experiment else []
+    return runs[0].info.run_id if runs else None
+
+
+def _by_step(client: MlflowClient, run_id: str, key: str) -> dict[int, list[float]]:
+    """Every value of ``key`` the run logged, by step (a step run again after a resume holds one value per run)."""
+    values: dict[int, list[float]] = {}
+    for metric in client.get_metric_history(run_id, key):
+        values.setdefault(metric.step, []).append(metric.value)
+    return values
 
 
 def _wait_for(predicate, timeout: float, what: str, poll: float = 0.5):
@@ -116,20 +133,42 @@ def _offline_and_online(args: list[str], name: str, mlflow_uri: str) -> dict[str
     return results
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlflow_server, tmp_path):
+    """A run whose Ray Train worker is killed mid-run finishes from its last checkpoint: the steps from that
+    checkpoint to the kill run twice and log the same losses (the weights and the optimizer state came back,
+    not only the step counter); the head learned and is registered beside its target; rerunning the same run
+    name continues it; a rerun its checkpoints cannot resume is refused in one line."""
     results = tmp_path / "ray_results"
     args = [
         "--preset", "quick", "--storage", storage, "--dataset", DATASET, "--run-name", "kill-test",
-        "--results-dir", str(results), "--checkpoint-every", "5", "--batch-tokens", "512", "--max-failures", "2",
+        "--results-dir", str(results), "--checkpoint-every", "10", "--batch-tokens", "512", "--max-failures", "2",
     ]
-    steps, every = 34, 5  # 6 more steps on the rerun reach the quick preset's 20 epochs of this data (40 steps)
+    # the quick preset logs the loss every 5 steps: a checkpoint every 10 leaves steps 15, 25 logged between two
+    steps, every = 34, 10  # 6 more steps on the rerun reach the quick preset's 20 epochs of this data (40 steps)
+    log_every = get_preset("quick").train.log_every
+    assert every % log_every == 0 and every > log_every
+    client = MlflowClient(mlflow_server)
     job = _job([*args, "--max-steps", str(steps)], mlflow_server)
     checkpoints = lambda: list((results / "kill-test").glob("checkpoint_*"))  # noqa: E731
+
+    mlflow_run = None
+
+    def logged_past_the_checkpoint() -> bool:
+        # a checkpoint the controller has registered (its snapshot): a report completed on the workers sits in
+        # their queues until the controller polls them, so folders on disk alone can restart from step 0; and a
+        # loss logged after it, halfway to the next checkpoint (5 steps to go), which the resumed run repeats
+        nonlocal mlflow_run
+        if job.poll() is not None:
+            return True
+        registered = _registered_step(results / "kill-test")
+        mlflow_run = mlflow_run or _run_id(client, "kill-test")
+        if registered is None or mlflow_run is None:
+            return False
+        return any(registered < m.step and m.step % every for m in client.get_metric_history(mlflow_run, "loss"))
+
     try:
-        # a checkpoint the controller has registered (its snapshot names one): a report completed on the workers
-        # sits in their queues until the controller polls them, so folders on disk alone can restart from step 0
-        _wait_for(lambda: _registered_checkpoint(results / "kill-test") or job.poll() is not None, 600, "a registered checkpoint")
+        _wait_for(logged_past_the_checkpoint, 600, "a loss logged after a registered checkpoint", poll=0.2)
         assert job.poll() is None, f"the job ended before the kill: {job.communicate()[1][-3000:]}"
         workers = _wait_for(lambda: _train_workers(job.pid), 60, "the Ray Train workers")
         # freeze the workers, so the kill lands mid-run however fast this machine trains, then kill one
@@ -147,11 +186,21 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
             job.kill()
     assert job.returncode == 0, err[-4000:]
     result = _result(out)
-    client = MlflowClient(mlflow_server)
     run = client.get_run(result["run_id"])
     assert run.info.status == "FINISHED"
     resumed = _history(client, result["run_id"], "resumed_from_step")
-    assert resumed and resumed[0].value >= 5, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
+    assert resumed and resumed[0].value >= every, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
+    # the steps from that checkpoint to the kill ran twice, on the same records in the same order from the
+    # checkpoint's weights and optimizer state: rank 0 logged the loss of each logged one twice, and both agree.
+    # Not to the bit: a resume does not restore the torch RNG the U(-0.1, 0.1) input noise is drawn from, so the
+    # repeated steps train on other noise (0.2 % apart here; with the noise seeded per step in a scratch copy of
+    # the job the two were bit-equal). A resume that restarted the optimizer state from scratch was 15 % apart
+    # 5 steps on, one that restarted the weights 67 %: 2 % tells them apart.
+    losses = _by_step(client, result["run_id"], "loss")
+    repeated = {step: values for step, values in losses.items() if len(values) > 1}
+    assert repeated, f"no logged step ran twice (resumed from step {resumed[0].value:.0f}): {sorted(losses)}"
+    assert all(resumed[0].value < step < steps and len(values) == 2 for step, values in repeated.items()), (resumed[0].value, repeated)
+    assert all(math.isclose(*values, rel_tol=0.02) for values in repeated.values()), repeated
     loss = _history(client, result["run_id"], "loss")
     assert loss[0].step == 1 and loss[-1].step == steps
     eval_tau = _history(client, result["run_id"], "eval_sim_tau")
@@ -203,7 +252,7 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert client.get_model_version_by_alias("smollm2-135m-eagle", "candidate").version == second["version"]
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path, smollm2):
     """The EAGLE-3 kind through the job: offline from shards holding the low / middle / high layers, online
     from the target's own capture of them while it lives in the 2 workers partitioned by ZeRO-3 (every
@@ -240,7 +289,8 @@ def test_an_eagle3_head_trains_offline_and_online_alike(mlflow_server, tmp_path,
     assert _history(client, runs["offline"], "acc_3")
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
+@pytest.mark.nightly
 def test_a_run_that_fails_is_marked_failed_and_registers_nothing(storage, mlflow_server, tmp_path, smollm2):
     broken = tmp_path / "broken"
     write_feature_dataset(str(broken), smollm2, DATASET, conversations=8, max_length=32)
