@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import subprocess
@@ -310,7 +311,23 @@ def test_a_run_that_fails_is_marked_failed_and_registers_nothing(storage, mlflow
     assert after == before
 
 
-def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp_path, smollm2):
+def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp_path, smollm2, monkeypatch, capsys):
+    """Each bad input is exit code 2 and one line on stderr, before Ray starts or a run is made. Called
+    in-process (``jobs.train_head.main``, what ``python -m jobs.train_head`` runs): tests/tiers.py fails this
+    test if any case started Ray or a process."""
+    from jobs.train_head import main
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))  # the job's logging set-up replaces them
+    monkeypatch.setattr(root, "level", root.level)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+    def job(args: list[str]) -> tuple[int, str]:
+        capsys.readouterr()
+        code = main(args)
+        return code, capsys.readouterr().err.strip()
+
     base = ["--preset", "quick", "--storage", storage, "--results-dir", str(tmp_path / "r")]
     cases = {
         "unknown target": (["--target", "no-such-model", "--dataset", DATASET], "no-such-model"),
@@ -322,24 +339,21 @@ def test_bad_input_fails_in_one_line_before_any_work(storage, mlflow_server, tmp
         "eagle3 on features without its layers": (["--dataset", DATASET, "--head-kind", "eagle3"], "--aux-layers"),
     }
     for name, (extra, expected) in cases.items():
-        done = _run([*base, *extra], mlflow_server)
-        assert done.returncode == 2, (name, done.stderr[-2000:])
-        lines = done.stderr.strip().splitlines()
-        assert len(lines) == 1 and expected in lines[0], (name, done.stderr)
+        code, err = job([*base, *extra])
+        assert code == 2, (name, err[-2000:])
+        assert len(err.splitlines()) == 1 and expected in err, (name, err)
 
     stale = tmp_path / "stale"
     write_feature_dataset(str(stale), smollm2, DATASET, conversations=4, max_length=32)
     store = layout.dataset_storage(str(stale), "smollm2-135m", DATASET)
     manifest = store.read_json(f"{layout.FEATURES}/{layout.MANIFEST}")
     store.write_json(f"{layout.FEATURES}/{layout.MANIFEST}", {**manifest, "target_revision": "gguf-sha256:0000000000000000"})
-    done = _run(["--preset", "quick", "--storage", str(stale), "--dataset", DATASET], mlflow_server)
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "revision" in done.stderr
+    code, err = job(["--preset", "quick", "--storage", str(stale), "--dataset", DATASET])
+    assert code == 2 and len(err.splitlines()) == 1 and "revision" in err, err
 
-    env = _env("http://127.0.0.1:9")  # nothing listens on the discard port
-    done = subprocess.run(
-        [sys.executable, "-m", "jobs.train_head", *base, "--dataset", DATASET], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "MLflow" in done.stderr
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens on the discard port
+    code, err = job([*base, "--dataset", DATASET])
+    assert code == 2 and len(err.splitlines()) == 1 and "MLflow" in err, err
 
 
 def test_concurrent_jobs_of_one_preset_never_share_a_run_name(tmp_path):
