@@ -313,6 +313,8 @@ class _Worker:
         return bool(int(stop))
 
     def run(self) -> None:
+        import torch
+
         from eagle.train import collate, compute_loss
 
         train, engine, progress = self.train, self.engine, self.progress
@@ -335,6 +337,9 @@ class _Worker:
             lr = learning_rate(train, progress, self.total_steps)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            # the loss's random draws (input noise, the cross-entropy's share) depend on the step alone, so a run
+            # resumed from a checkpoint repeats the steps after it exactly (DeepSpeed's checkpoint holds no RNG state)
+            torch.manual_seed(micro_batch_seed(train.seed, progress.step, self.rank, index % train.grad_accum))
             loss, metrics = compute_loss(engine.module, batch, self.loss_config, autocast_bf16=train.autocast_bf16)
             engine.backward(loss)
             engine.step()
@@ -574,6 +579,12 @@ def lease_run_name(base: str, *, explicit: bool, folder: Path | None = None) -> 
             logger.info("run name %s is held by another running job: this one is %s", base, name)
         return name, handle
     raise EagleError(f"every run name {base}-2 ... {base}-999 is held by a running job")
+
+
+def micro_batch_seed(seed: int, step: int, rank: int, micro: int) -> int:
+    """The seed of the random draws of one micro batch: a function of the run's seed and the batch's place in
+    the run only, so a resumed run draws for a step what the uninterrupted run drew."""
+    return (seed * 1_000_003 + step) * 65_537 + rank * 257 + micro
 
 
 class RunFailedError(RuntimeError):

@@ -191,17 +191,16 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     assert run.info.status == "FINISHED"
     resumed = _history(client, result["run_id"], "resumed_from_step")
     assert resumed and resumed[0].value >= every, f"the restarted workers did not resume from a checkpoint: {err[-3000:]}"
-    # the steps from that checkpoint to the kill ran twice, on the same records in the same order from the
-    # checkpoint's weights and optimizer state: rank 0 logged the loss of each logged one twice, and both agree.
-    # Not to the bit: a resume does not restore the torch RNG the U(-0.1, 0.1) input noise is drawn from, so the
-    # repeated steps train on other noise (0.2 % apart here; with the noise seeded per step in a scratch copy of
-    # the job the two were bit-equal). A resume that restarted the optimizer state from scratch was 15 % apart
-    # 5 steps on, one that restarted the weights 67 %: 2 % tells them apart.
+    # the steps from that checkpoint to the kill ran twice, on the same records in the same order, with the same
+    # noise (seeded per step: jobs.train_head.micro_batch_seed), from the checkpoint's weights and optimizer
+    # state: rank 0 logged the loss of each logged one twice, equal to the bit. (Measured before the per-step
+    # seed: a resume that restarted the optimizer state from scratch was 15 % apart 5 steps on, one that
+    # restarted the weights 67 %.)
     losses = _by_step(client, result["run_id"], "loss")
     repeated = {step: values for step, values in losses.items() if len(values) > 1}
     assert repeated, f"no logged step ran twice (resumed from step {resumed[0].value:.0f}): {sorted(losses)}"
     assert all(resumed[0].value < step < steps and len(values) == 2 for step, values in repeated.items()), (resumed[0].value, repeated)
-    assert all(math.isclose(*values, rel_tol=0.02) for values in repeated.values()), repeated
+    assert all(values[0] == values[1] for values in repeated.values()), repeated
     loss = _history(client, result["run_id"], "loss")
     assert loss[0].step == 1 and loss[-1].step == steps
     eval_tau = _history(client, result["run_id"], "eval_sim_tau")
