@@ -60,7 +60,8 @@ def test_e2e_processes_are_told_from_helpers():
         assert e2e_kind(argv) == kind, argv
     assert e2e_kind("ray start --head --port=0") == "Ray"
     for argv in (["bash", "/repo/infra/local/venv.sh"], [python, "-c", "print(1)"], ["chattr", "+i", "/x"],
-                 [python, "-m", "eagle.cli", "generate"], ["git", "status"], [python, "-m", "pytest", "-q"]):
+                 [python, "-m", "eagle.cli", "generate"], ["git", "status"], [python, "-m", "pytest", "-q"],
+                 [python, "-m", "eagle.cli", "head", "export", "--to", "vllm", "/h", "/v"]):
         assert e2e_kind(argv) is None, argv
 
 

@@ -36,7 +36,7 @@ E2E_PROCESSES = {
     "the platform service": re.compile(r"-m eagle_platform\.service\b"),
     "a job": re.compile(r"-m jobs\.\w+"),
     "Ray Serve": re.compile(r"(^|/)serve (deploy|run|start|shutdown|status)\b"),
-    "vLLM": re.compile(r"peers\.sh|\bvllm\b"),
+    "vLLM": re.compile(r"peers\.sh|vllm\.entrypoints|-m vllm\b|/venvs/vllm-"),
     "make": re.compile(r"(^|/)make( |$)"),
 }
 
