@@ -91,7 +91,7 @@ test-fast: install
 	$(PY) -m pytest -m "not e2e and not nightly" $(PYTEST_ARGS)
 
 # The fast-path benchmark of docs/benchmarks.md section 6 (about an hour; vLLM and llama.cpp are installed
-# into .venv-vllm / .venv-llamacpp on first use): `make bench-fast HEAD=<head dir or models:/...>`.
+# on first use: vLLM from infra/bench/vllm.lock into ~/.cache/eagle-platform/venvs/, llama.cpp into .venv-llamacpp): `make bench-fast HEAD=<head dir or models:/...>`.
 .PHONY: bench-fast
 HEAD ?= models:/smollm2-135m-eagle@production
 bench-fast: install
@@ -104,7 +104,7 @@ bench-vllm-eagle: install
 	infra/bench/vllm_eagle.sh $(HEAD)
 
 # The serving table of docs/benchmarks.md section 7 in one run: our two pairs (one Serve app) and vLLM's CPU
-# build (its OpenAI server, installed into .venv-vllm on first use) up at the same time, the three
+# build (its OpenAI server, in the pinned venv infra/bench/peers.sh builds on first use) up at the same time, the three
 # alternating within every level (A B C C B A ...), with the same client and prompts, four rounds a cell,
 # so that the machine's drift falls on all three: `make bench-serve HEAD=<head dir or models:/...>`
 # (20-35 minutes on 2 cores; a benchmark, not a test). BATCH_GRAPHS: the plain batched steps the pairs compile
