@@ -32,7 +32,7 @@ from eagle.verify import SamplingConfig
 from heads import good_head
 from tiny import tiny_target
 from test_lossless_sampling import (  # noqa: F401 - _one_thread: that module's autouse one-thread fixture, used here too
-    PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for, restricted,
+    PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for, joint_index, restricted,
 )
 
 
@@ -254,10 +254,7 @@ def test_a_request_sampled_inside_batches_follows_the_targets_distribution():
         engine.run_until_done()
         for request in ours:
             assert len(request.token_ids) == TOKENS
-            index = 0
-            for token in request.token_ids:
-                index = index * VOCAB + token
-            counts[index] += 1
+            counts[joint_index(request.token_ids)] += 1
             accepted.extend(step.accepted for step in request.steps)
     assert_matches(counts, joint_for(T1), "inside a batch")
     assert any(a >= 2 for a in accepted)
@@ -308,10 +305,7 @@ def test_sampled_and_greedy_rows_verified_together_stay_lossless(kind):
         assert {(r.steps[0].batch, r.steps[0].tree_size > 0) for r in ours + theirs} == {(len(ours) + len(theirs), True)}
         for request in ours:
             assert len(request.token_ids) == TOKENS
-            index = 0
-            for token in request.token_ids:
-                index = index * VOCAB + token
-            counts[index] += 1
+            counts[joint_index(request.token_ids)] += 1
             accepted.extend(step.accepted for step in request.steps)
     assert_matches(counts, joint_for(T1), f"{kind} tree, reduced draft vocabulary, beside greedy rows")
     assert any(a >= 3 for a in accepted) and any(a == 0 for a in accepted), np.bincount(accepted)

@@ -208,6 +208,14 @@ def assert_rejected(counts: np.ndarray, probs: np.ndarray, what: str) -> None:
 # ---- sampling through the engine ------------------------------------------------------------------------
 
 
+def joint_index(token_ids: list[int]) -> int:
+    """The index of a TOKENS-token output in the joint distribution's ``[V**TOKENS]`` vector (base-VOCAB digits)."""
+    index = 0
+    for token in token_ids:
+        index = index * VOCAB + token
+    return index
+
+
 def sample_runs(decoder: Decoder, sampling: SamplingConfig, runs: int = RUNS) -> tuple[np.ndarray, list[int]]:
     """Counts ``[V**TOKENS]`` of the first TOKENS tokens over ``runs`` seeded generations, and every step's
     accepted-token count."""
@@ -217,10 +225,7 @@ def sample_runs(decoder: Decoder, sampling: SamplingConfig, runs: int = RUNS) ->
         config = GenerationConfig(max_new_tokens=TOKENS, sampling=sampling, stop_token_ids=[], seed=seed)
         result = decoder.generate(PROMPT, config)
         assert len(result.token_ids) == TOKENS
-        index = 0
-        for token in result.token_ids:
-            index = index * VOCAB + token
-        counts[index] += 1
+        counts[joint_index(result.token_ids)] += 1
         accepted.extend(step.accepted for step in result.steps)
     return counts, accepted
 
