@@ -584,7 +584,7 @@ def lease_run_name(base: str, *, explicit: bool, folder: Path | None = None) -> 
 def micro_batch_seed(seed: int, step: int, rank: int, micro: int) -> int:
     """The seed of the random draws of one micro batch: a function of the run's seed and the batch's place in
     the run only, so a resumed run draws for a step what the uninterrupted run drew."""
-    return (seed * 1_000_003 + step) * 65_537 + rank * 257 + micro
+    return ((seed * 1_000_003 + step) * 65_537 + rank * 257 + micro) % (1 << 63)  # torch.manual_seed's range
 
 
 class RunFailedError(RuntimeError):
