@@ -74,7 +74,7 @@ down:
 # The test tiers (markers in tests/tiers.py, which also enforces them):
 #   make test      every test but the `nightly` ones: the in-process tier and one real end-to-end test per component
 #                  (Ray, Ray Train + DeepSpeed, MLflow, Serve, vLLM, the platform service, the fresh machine);
-#                  at most 25 minutes of pytest on 2 cores; what CI runs (.ci/run)
+#                  what CI runs (.ci/run); README.md gives its measured time
 #   make test-all  every test: run it before resolving an issue that touches jobs/, serve/, platform/, infra/ or
 #                  the Makefile
 #   make test-fast the in-process tier alone (no `e2e`, no `nightly`), a few minutes
