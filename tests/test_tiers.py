@@ -1,5 +1,6 @@
 """tests/tiers.py: a test that starts end-to-end processes without the ``e2e`` marker fails, and so does a
-fast-tier test past ``EAGLE_TEST_BUDGET_S``; the run ends with the time of each tier."""
+fast-tier test whose call runs past ``EAGLE_TEST_BUDGET_S`` (a slow shared fixture does not count); the run
+ends with the time of each tier."""
 
 from __future__ import annotations
 
@@ -42,6 +43,13 @@ def test_slow_nightly():
 
 def test_ordinary_process():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+@pytest.fixture(scope="module")
+def shared_and_slow():
+    time.sleep(1.0)  # a shared fixture's cost (a model loaded once), not the test's
+
+def test_fast_on_a_slow_shared_fixture(shared_and_slow):
+    pass
 '''
 
 
