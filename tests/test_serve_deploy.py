@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -25,6 +26,12 @@ from stack_helpers import BIN, ROOT, client_env, mlflow_credentials, stack, stac
 from mlflow_server import free_port
 
 pytestmark = pytest.mark.e2e
+
+DEFAULT_SIGINT_THEN_EXEC = (  # SIGINT, SIGPIPE and SIGXFSZ at their defaults (Python ignores the last two), then exec argv[1:]
+    "import os, signal, sys\n"
+    "for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ): signal.signal(s, signal.SIG_DFL)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])"
+)
 
 
 def deploy_config(tmp_path, http_port: int, tracking: str) -> str:
@@ -119,8 +126,10 @@ def test_serve_deploy_of_the_repo_config_serves_the_registered_pair(tmp_path, sm
 
         # `make serve`: the stack is up, so serve.sh only runs the app; Ctrl-C removes it, the stack stays
         log = open(tmp_path / "serve.log", "w")
-        runner = subprocess.Popen(["bash", str(ROOT / "infra" / "local" / "serve.sh"), config], env=cli, cwd=ROOT,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        # Ctrl-C of a foreground `make serve`: SIGINT at its default in the script (a shell's background job, such as
+        # a pytest started with `&`, ignores it, and so would every process it starts; bash cannot reset that)
+        runner = subprocess.Popen([sys.executable, "-c", DEFAULT_SIGINT_THEN_EXEC, "bash", str(ROOT / "infra" / "local" / "serve.sh"), config],
+                                  env=cli, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait_for_models(base)
             chat = httpx.post(base + "/v1/chat/completions", json={"model": "smollm2-135m-eagle", "messages": messages, "max_tokens": 24, "temperature": 0}, timeout=300)
