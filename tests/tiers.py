@@ -1,6 +1,6 @@
 """A pytest plugin (loaded by conftest.py) that keeps the suite's tiers honest.
 
-The tiers (pyproject.toml's markers; the Makefile's targets):
+The tiers (markers registered here; the Makefile's targets select them):
 
 * ``e2e``: the test starts Ray, the local stack, Ray Serve, vLLM, the platform service or a job subprocess;
 * ``nightly``: only ``make test-all`` runs it (``make test`` is ``-m "not nightly"``);
@@ -48,9 +48,7 @@ _STARTED = time.monotonic()
 
 def e2e_kind(argv) -> str | None:
     """Which e2e kind of process ``argv`` starts, or None for an ordinary helper process."""
-    text = argv if isinstance(argv, (str, bytes)) else " ".join(os.fspath(a) if not isinstance(a, str) else a for a in argv)
-    if isinstance(text, bytes):
-        text = text.decode(errors="replace")
+    text = os.fsdecode(argv) if isinstance(argv, (str, bytes, os.PathLike)) else " ".join(os.fsdecode(a) for a in argv)
     return next((kind for kind, pattern in E2E_PROCESSES.items() if pattern.search(text)), None)
 
 
