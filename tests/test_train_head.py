@@ -23,8 +23,10 @@ from mlflow import MlflowClient
 
 from eagle.head import EagleHead
 from eagle.runtime import native_bf16
+from eagle_platform.registry import Runs
 from jobs import layout
 from jobs.presets import get_preset
+from jobs.train_head import EXPERIMENT
 from tests.feature_data import write_feature_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,17 +95,10 @@ def _registered_step(experiment_dir) -> int | None:
     return int(latest["metrics"]["step"]) if latest else None
 
 
-def _run_id(client: MlflowClient, run_name: str) -> str | None:
-    """The id of the job's MLflow run ``run_name``, or None before the job has made it."""
-    experiment = client.get_experiment_by_name("eagle-heads")
-    runs = client.search_runs([experiment.experiment_id], f"attributes.run_name = '{run_name}'") if experiment else []
-    return runs[0].info.run_id if runs else None
-
-
 def _by_step(client: MlflowClient, run_id: str, key: str) -> dict[int, list[float]]:
     """Every value of ``key`` the run logged, by step (a step run again after a resume holds one value per run)."""
     values: dict[int, list[float]] = {}
-    for metric in client.get_metric_history(run_id, key):
+    for metric in _history(client, run_id, key):
         values.setdefault(metric.step, []).append(metric.value)
     return values
 
@@ -150,6 +145,7 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
     log_every = get_preset("quick").train.log_every
     assert every % log_every == 0 and every > log_every
     client = MlflowClient(mlflow_server)
+    runs = Runs(mlflow_server, client=client)
     job = _job([*args, "--max-steps", str(steps)], mlflow_server)
     checkpoints = lambda: list((results / "kill-test").glob("checkpoint_*"))  # noqa: E731
 
@@ -163,10 +159,10 @@ def test_killed_worker_resumes_from_checkpoint_and_rerun_continues(storage, mlfl
         if job.poll() is not None:
             return True
         registered = _registered_step(results / "kill-test")
-        mlflow_run = mlflow_run or _run_id(client, "kill-test")
+        mlflow_run = mlflow_run or runs.find_run(EXPERIMENT, "kill-test")
         if registered is None or mlflow_run is None:
             return False
-        return any(registered < m.step and m.step % every for m in client.get_metric_history(mlflow_run, "loss"))
+        return any(registered < step and step % every for step in _by_step(client, mlflow_run, "loss"))
 
     try:
         _wait_for(logged_past_the_checkpoint, 600, "a loss logged after a registered checkpoint", poll=0.2)
