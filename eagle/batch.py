@@ -290,15 +290,22 @@ class BatchDecoder:
     @torch.inference_mode()
     def warmup(self, *, measure: bool = True, sizes: Sequence[int] | None = None, repeats: int = 3) -> dict:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
-        (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report."""
+        (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report.
+
+        Speculative steps are measured up to the first batch size whose break-even passes the most tokens a
+        step can yield per row (the tree's depth + 1): verification only grows more compute-bound with the
+        batch, so drafting cannot pay at the larger sizes either, and ``SpeculationPolicy`` extrapolates
+        their cost. Where drafting is dear (bf16 emulated on an AVX2 CPU: a SmolLM2 speculative step 13x a
+        plain one at batch 1) this skips the slowest measurements of a replica's start."""
         self.decoder.warmup()  # resolves an auto tree; compiles the single-request graphs a batch of one runs
         for batch in self.graphs:  # compiled here, not in a request's step
             self._synthetic_verify(batch, 1, self._synthetic_context)
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
+        most_per_step = self.decoder.tree.depth + 1 if self.heads is not None else 0
         for batch in sizes:
             plain[batch] = self._time_step(batch, False, repeats if measure else 1)
-            if self.heads is not None:
+            if self.heads is not None and all(speculative[b] <= most_per_step * plain[b] for b in speculative):
                 speculative[batch] = self._time_step(batch, True, repeats if measure else 1)
         self.policy = SpeculationPolicy(plain, speculative, mode=self.speculate,
                                         prior_tau=self.policy.tau, explore_every=self.policy.explore_every,

@@ -423,6 +423,28 @@ def test_the_policy_drafts_only_where_measured_costs_say_it_pays():
     assert policy.report()["decisions"]["plain"] >= 2
 
 
+def test_warmup_stops_measuring_drafting_once_it_cannot_pay(monkeypatch):
+    """The start-up measurement times speculative steps only up to the first batch size whose break-even
+    passes the most tokens a step can yield (depth + 1); plain steps at every size; the policy extrapolates
+    the rest, so those sizes decode plainly. Costs are synthetic: the rule is under test, not the clock."""
+    target = _greedy_target()
+    tree = DynamicTree(depth=3, top_k=2, total_tokens=6)  # at most 4 tokens per row and step
+    engine = BatchDecoder(Decoder(target, good_head(target), tree), max_batch=16, max_context=128, speculate="auto")
+    ratios = {1: 2.0, 2: 3.5, 4: 4.5, 8: 7.0, 16: 11.0}  # speculative / plain, rising with the batch
+    timed = []
+
+    def fake_step(batch: int, speculative: bool, repeats: int) -> float:
+        timed.append((batch, speculative))
+        return 10.0 * batch ** 0.5 * (ratios[batch] if speculative else 1.0)
+
+    monkeypatch.setattr(engine, "_time_step", fake_step)
+    report = engine.warmup()
+    assert sorted(b for b, s in timed if not s) == [1, 2, 4, 8, 16]
+    assert sorted(b for b, s in timed if s) == [1, 2, 4]  # 4 is the first past 4 tokens a step: 8 and 16 unmeasured
+    assert list(report["speculative_ms"]) == [1, 2, 4]
+    engine.policy.tau = 4.0  # the most a step can yield: still below the extrapolated break-even at 8 and 16
+    assert engine.policy.choose(2) == "draft" and engine.policy.break_even(8) > 4.0 and engine.policy.break_even(16) > 4.0
+
 def test_step_seed_depends_on_seed_and_position_only():
     assert step_seed(1, 10) == step_seed(1, 10)
     assert len({step_seed(s, p) for s in range(30) for p in range(30)}) == 900
