@@ -35,7 +35,7 @@ from eagle.batch import BatchDecoder, BatchRequest, check_graphs
 from eagle.compile import CompileConfig
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta
-from eagle.runtime import available_cores, on_own_thread, use_threads
+from eagle.runtime import available_cores, on_own_thread, preferred_dtype, use_threads
 from eagle.target import Target, check_device
 from eagle.tree import TreeSpec, build_tree
 from eagle.verify import SamplingConfig
@@ -97,7 +97,10 @@ class PairSpec(BaseModel):
         model: the id clients send as ``model`` (e.g. ``smollm2-135m-eagle``).
         target: a built-in target name (``smollm2-135m``) or a local Hugging Face directory.
         head: ``models:/<name>@<alias>`` (registry), a local head directory, or None for the target alone.
-        dtype: weights and compute dtype of target and head.
+        dtype: weights and compute dtype of target and head; ``auto`` (the default) is
+            ``eagle.runtime.preferred_dtype``: bf16 on a GPU or a CPU that computes it natively, else fp32 (on an
+            AVX2-only CPU a SmolLM2 speculative step ran 775 ms in bf16 against 269 ms in fp32,
+            docs/benchmarks.md section 12).
         device: where target and head run: ``cpu``, ``cuda`` or ``cuda:N`` (``eagle.target.check_device``;
             a CUDA pair's replicas reserve GPUs, ``serve.app.PairArgs.num_gpus``).
         max_tokens: the largest ``max_tokens`` a request may ask for.
@@ -131,7 +134,7 @@ class PairSpec(BaseModel):
     model: str = Field(min_length=1)
     target: str = Field(min_length=1)
     head: str | None = None
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     device: str = "cpu"
     max_tokens: int = Field(1024, ge=1)
     default_max_tokens: int = Field(256, ge=1)
@@ -353,7 +356,10 @@ class PairServer:
         """Set ``self.target`` (``target``, or ``spec.target`` loaded) and load the head on it."""
         from eagle.target import load_target
 
-        self.target = target if target is not None else load_target(self.spec.target, dtype=self.spec.dtype, device=self.spec.device)
+        if target is None:
+            dtype = preferred_dtype(self.spec.dtype, gpu=self.spec.device != "cpu")  # what ``auto`` is on this machine
+            target = load_target(self.spec.target, dtype=dtype, device=self.spec.device)
+        self.target = target
         if self.target.tokenizer is None:
             raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
         return self._load(self._head_spec)
@@ -544,7 +550,7 @@ class PairServer:
             "open_streams": self._open_streams,
             "active_requests": sum(engine.active for engine in self._engines),
             "speculation_policy": loaded.engine.policy.report(),
-            "dtype": self.spec.dtype,
+            "dtype": str(self.target.dtype).removeprefix("torch."),  # the dtype that runs (``auto`` resolved)
             "threads": self.threads,
             "context_window": loaded.decoder.context_window,
             "max_tokens": self.spec.max_tokens,

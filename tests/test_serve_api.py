@@ -794,6 +794,22 @@ def test_batch_graphs_are_validated_with_the_pair():
             PairSpec(model="m", target="t", **bad)
 
 
+@pytest.mark.parametrize("native_bf16, expected", [("0", "float32"), ("1", "bfloat16")])
+def test_a_pair_in_auto_dtype_runs_what_the_machine_computes_natively(native_bf16, expected, monkeypatch, tmp_path):
+    """``dtype: auto`` (the default) loads the target in bf16 where the CPU computes it natively and in fp32 where
+    bf16 is emulated (``EAGLE_NATIVE_BF16`` stands in for the CPU flags here); ``info`` reports the dtype that runs."""
+    monkeypatch.setenv("EAGLE_NATIVE_BF16", native_bf16)
+    target_dir = tiny_chat_target_dir(tmp_path / "tiny", seed=0)
+    spec = PairSpec(model="auto", target=str(target_dir), max_tokens=8, compile="off", max_batch_size=2)
+    assert spec.dtype == "auto"
+    server = PairServer(spec)
+    try:
+        assert server.info()["dtype"] == expected
+        assert all(str(p.dtype) == f"torch.{expected}" for p in server.target.model.parameters())
+    finally:
+        server.shutdown()
+
+
 def test_a_pair_takes_a_device_and_a_cuda_pair_reserves_gpus():
     """``device`` is part of the pair's schema (spelling checked when the config is validated; whether the
     replica sees the GPU, when it loads); a CUDA pair's replicas reserve GPUs, since a Ray actor sees only

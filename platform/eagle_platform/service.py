@@ -346,7 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve", action="store_true", help="roll ready pairs out to Ray Serve (eagle_platform.rollout)")
     parser.add_argument("--serve-port", type=int, default=8000)
     parser.add_argument("--serve-compile", choices=["on", "off"], default="on")
-    parser.add_argument("--serve-dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--serve-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="the pairs' dtype (auto: bf16 where the machine computes it natively, else float32; serve.pair.PairSpec)")
     parser.add_argument("--serve-watch-s", type=float, default=30.0, help="how often a pair polls its @production alias")
     parser.add_argument("--serve-threads", type=int, default=1)
     parser.add_argument("-v", "--verbose", action="store_true")
