@@ -80,15 +80,20 @@ down:
 #   make test-fast the in-process tier alone (no `e2e`, no `nightly`), a few minutes
 # In test and test-all a skipped test fails (tests/strict_skips.py) and an in-process test past TEST_BUDGET_S
 # seconds fails with its name (tests/tiers.py).
+# Every target runs TEST_WORKERS pytest-xdist workers (one per core, one torch thread each, tests/conftest.py);
+# --dist loadgroup keeps the e2e tests on one worker, one after another and first, while the others run the
+# in-process tier beside them (tests/tiers.py).
 TEST_BUDGET_S ?= 120
+TEST_WORKERS ?= $(shell nproc)
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: install
-	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest -m "not nightly" $(PYTEST_ARGS)
+	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest $(XDIST) -m "not nightly" $(PYTEST_ARGS)
 
 test-all: install
-	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest $(PYTEST_ARGS)
+	EAGLE_NO_SKIP=1 EAGLE_TEST_BUDGET_S=$(TEST_BUDGET_S) $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not e2e and not nightly" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not e2e and not nightly" $(PYTEST_ARGS)
 
 # The fast-path benchmark of docs/benchmarks.md section 6 (about an hour; vLLM and llama.cpp are installed
 # on first use: vLLM from infra/bench/vllm.lock into ~/.cache/eagle-platform/venvs/, llama.cpp into .venv-llamacpp): `make bench-fast HEAD=<head dir or models:/...>`.

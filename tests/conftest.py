@@ -9,7 +9,9 @@ pytest_plugins = ["strict_skips", "tiers"]  # make test: a skipped test fails (t
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# one process: two torch threads; under pytest-xdist (make test: -n 2) the cores are shared out among the workers
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture(scope="session")

@@ -59,9 +59,31 @@ def wait_for(predicate, what: str, timeout: float = DEADLINE_S, every: float = 0
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+# The pairs each test talks to: the app deploys those of the tests selected (make test's two tests need four of the
+# seven pairs, and every replica costs a process start on 2 cores).
+PAIRS_USED = {
+    "test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text": {"a", "b", "a-plain"},
+    "test_bad_input_is_4xx_with_an_error_body_and_the_server_stays_up": {"a"},
+    "test_backpressure_answers_503_with_retry_after_instead_of_queueing": {"busy"},
+    "test_autoscaling_goes_from_one_replica_to_two_and_back": {"scale"},
+    "test_metrics_are_exported_for_prometheus": {"a"},
+    "test_a_killed_replica_is_replaced_and_its_requests_wait_for_it": {"a"},
+    "test_sigkilling_a_replica_under_load_loses_no_request": {"failover"},
+    "test_loadtest_level_records_every_request": {"b"},
+    "test_moving_the_alias_swaps_the_head_without_dropping_a_streamed_request": {"swap"},
+}
+
+
+def selected_pairs(request: pytest.FixtureRequest) -> set[str]:
+    """The pairs the selected tests of this module use (``PAIRS_USED``)."""
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    return set().union(*(PAIRS_USED[name] for name in names))
+
+
 @pytest.fixture(scope="module")
-def app(tmp_path_factory, mlflow_server):
-    """Deploy seven tiny pairs behind the ingress; yield (base_url, metrics_port, targets, swap_context).
+def app(request, tmp_path_factory, mlflow_server):
+    """Deploy the tiny pairs the selected tests use (of seven) behind the ingress; yield (base_url, metrics_port,
+    targets, swap_context).
 
     "swap" serves ``models:/tiny-a-eagle@production`` from the session's MLflow server and polls it every
     second; its first version is registered before the deployment starts."""
@@ -91,6 +113,8 @@ def app(tmp_path_factory, mlflow_server):
         {"model": "failover", "target": str(dirs["a"]), "head": str(heads["a"]), **common, "max_ongoing_requests": 8,
          "autoscaling": {"min_replicas": 2, "max_replicas": 2}},
     ]
+    wanted = selected_pairs(request)
+    pairs = [pair for pair in pairs if pair["model"] in wanted]
     metrics_port = free_port()
     http_port = free_port()
     init_ray(num_cpus=8, metrics_export_port=metrics_port)
@@ -114,7 +138,7 @@ def post(base: str, path: str, body, timeout: float = 60.0) -> httpx.Response:
     return httpx.post(base + path, json=body, timeout=timeout)
 
 
-def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app):
+def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app, request):
     import openai
 
     base, _, targets, _ = app
@@ -139,7 +163,7 @@ def test_openai_client_t0_equals_plain_decoding_and_streams_the_same_text(app):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
-    assert {m.id for m in client.models.list()} == {"a", "b", "a-plain", "busy", "scale", "swap", "failover"}
+    assert {m.id for m in client.models.list()} == selected_pairs(request)  # every pair deployed, and only those
 
 
 @pytest.mark.nightly

@@ -73,14 +73,17 @@ def test_e2e_processes_are_told_from_helpers():
         assert e2e_kind(argv) is None, argv
 
 
-@pytest.mark.parametrize("budget", ["0.5", None], ids=["budget", "no-budget"])
-def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, budget):
+@pytest.mark.parametrize("budget, workers", [("0.5", None), (None, None), ("0.5", "2")], ids=["budget", "no-budget", "xdist"])
+def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, budget, workers):
+    """The same verdicts in one process and under pytest-xdist's ``--dist loadgroup`` (make test), where the e2e
+    tests share one worker and the controller prints the tier times."""
     (tmp_path / "test_probe.py").write_text(PROBE)
-    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_TEST_BUDGET_S", "EAGLE_NO_SKIP")}
+    env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_TEST_BUDGET_S", "EAGLE_NO_SKIP") and not k.startswith("PYTEST_XDIST")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
     if budget:
         env["EAGLE_TEST_BUDGET_S"] = budget
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tiers", "-p", "no:cacheprovider", "-rA", str(tmp_path)],
+    xdist = ["-n", workers, "--dist", "loadgroup", "-vv"] if workers else []  # -q -vv: one line per test, with its worker
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tiers", "-p", "no:cacheprovider", "-rA", *xdist, str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     out = run.stdout
     assert run.returncode == 1, out[-3000:]
@@ -90,3 +93,19 @@ def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, b
     if budget:
         assert "test_slow_fast_tier: ran 1 s, past the 0.5 s budget of a test outside the e2e and nightly tiers" in out, out[-3000:]
     assert "tier times: fast " in out and " e2e " in out and " nightly " in out, out[-3000:]
+    if workers:
+        ran_on = {name: worker for worker, name in re.findall(r"\[(gw\d+)\][^\n]*? (?:PASSED|FAILED|ERROR) \S+::(\w+)", out)}
+        assert len(ran_on) == 7, out[-3000:]
+        assert ran_on["test_marked_job"] == ran_on["test_slow_e2e"], ran_on  # the e2e group: one worker
+
+
+def test_e2e_tests_are_collected_first(tmp_path):
+    """The e2e tests come first (collection order otherwise kept), so that under ``--dist loadgroup`` the longest
+    chain starts at once."""
+    (tmp_path / "test_probe.py").write_text(PROBE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "tiers", "-p", "no:cacheprovider", str(tmp_path)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    order = re.findall(r"::(\w+)$", run.stdout, flags=re.MULTILINE)
+    assert order == ["test_marked_job", "test_slow_e2e", "test_unmarked_job", "test_slow_fast_tier", "test_slow_nightly",
+                     "test_ordinary_process", "test_fast_on_a_slow_shared_fixture"], run.stdout

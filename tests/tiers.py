@@ -18,15 +18,22 @@ Two rules are enforced here rather than remembered:
    whichever test happens to come first. The tier times below count all three phases.
 
 At the end of the run the wall time of each tier is printed (``tier times:``), which ``.ci/run`` shows.
+
+Under pytest-xdist (the Makefile runs ``-n <cores> --dist loadgroup``) the e2e tests form one work unit, run
+first and one after another by one worker, while the other workers run the in-process tier beside them
+(``pytest_xdist_make_scheduler``); each worker gets an equal share of the cores' torch threads (conftest.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +71,8 @@ def _budget_s() -> float | None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):  # an xdist controller
+        os.environ[_E2E_LISTING] = str(Path(tempfile.mkdtemp(prefix="eagle-tiers-")) / "e2e")  # the workers inherit it
     config.addinivalue_line("markers", "e2e: starts Ray, the local stack, Ray Serve, vLLM, the platform service or a job subprocess")
     config.addinivalue_line("markers", "nightly: only `make test-all` runs it (`make test` deselects it)")
     original = subprocess.Popen.__init__
@@ -78,14 +87,13 @@ def pytest_configure(config: pytest.Config) -> None:
     subprocess.Popen.__init__ = recording_init  # type: ignore[method-assign]
 
 
-_SECONDS = pytest.StashKey[float]()
 _CALL_SECONDS = pytest.StashKey[float]()
 _FIRST_LAUNCH = pytest.StashKey[int]()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    item.stash[_SECONDS] = item.stash[_CALL_SECONDS] = 0.0
+    item.stash[_CALL_SECONDS] = 0.0
     item.stash[_FIRST_LAUNCH] = len(_LAUNCHED)
 
 
@@ -93,14 +101,11 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
-    item.stash[_SECONDS] = item.stash.get(_SECONDS, 0.0) + call.duration
     if call.when == "call":
         item.stash[_CALL_SECONDS] = call.duration
     if call.when != "teardown":
         return
-    seconds = item.stash[_SECONDS]
     name = tier(item)
-    _TIER_SECONDS[name] += seconds
     if report.failed:
         return
     problems = []
@@ -116,6 +121,60 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     if problems:
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid}: " + "; ".join(problems)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The e2e tests go first (otherwise the collection order is kept). Under pytest-xdist a worker also writes
+    their node ids where the controller's scheduler (``pytest_xdist_make_scheduler``) reads them."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)  # stable
+    listing = os.environ.get(_E2E_LISTING)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if listing and worker:
+        staged = Path(f"{listing}.{worker}")
+        staged.write_text("\n".join(item.nodeid for item in items if item.get_closest_marker("e2e")))
+        staged.replace(f"{listing}.{worker}.done")
+
+
+_E2E_LISTING = "EAGLE_TIERS_E2E_LISTING"  # the file (prefix) the workers list the e2e node ids in
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``--dist loadgroup`` (``make test``): the e2e tests are one work unit, so one worker runs them one
+    after another and first (each starts Ray, Serve or a stack sized for the whole machine), while the other
+    workers run the in-process tier beside them. pytest-xdist's own ``xdist_group`` marker cannot say this with
+    pytest 9 (xdist 3.8 renames a grouped test's ``_nodeid``, which pytest 9 no longer reads), so the unit
+    is made here, from the node ids the workers list at collection."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    listing = os.environ[_E2E_LISTING]
+
+    class E2EInOneUnit(LoadGroupScheduling):
+        _e2e: frozenset[str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._e2e is None:  # scopes are split once every worker has collected (and listed)
+                lists = sorted(Path(listing).parent.glob(Path(listing).name + ".*.done"))
+                assert lists, f"no worker listed its e2e tests under {listing}"
+                self._e2e = frozenset(lists[0].read_text().split("\n")) - {""}
+            return "e2e" if nodeid in self._e2e else super()._split_scope(nodeid)
+
+    return E2EInOneUnit(config, log)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    listing = os.environ.get(_E2E_LISTING)
+    if listing and not os.environ.get("PYTEST_XDIST_WORKER") and getattr(config.option, "numprocesses", None):
+        shutil.rmtree(Path(listing).parent, ignore_errors=True)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Each test's set-up, call and teardown, summed per tier. This runs where the reports arrive: in the one
+    process, or under pytest-xdist in the controller, whose terminal prints the summary."""
+    keywords = report.keywords
+    _TIER_SECONDS["nightly" if "nightly" in keywords else "e2e" if "e2e" in keywords else "fast"] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
