@@ -82,7 +82,8 @@ down:
 # seconds fails with its name (tests/tiers.py).
 # Every target runs TEST_WORKERS pytest-xdist workers (one per core, one torch thread each, tests/conftest.py);
 # --dist loadgroup keeps the e2e tests on one worker, one after another and first, while the others run the
-# in-process tier beside them (tests/tiers.py).
+# in-process tier beside them; an isolated e2e module (the fresh machine: its own HOME and stack) starts on
+# another worker beside that chain (tests/tiers.py).
 TEST_BUDGET_S ?= 120
 TEST_WORKERS ?= $(shell nproc)
 XDIST = -n $(TEST_WORKERS) --dist loadgroup

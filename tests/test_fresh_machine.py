@@ -34,7 +34,7 @@ import pytest
 from mlflow_server import free_port
 from stack_helpers import BIN, ROOT, listening, stack, stack_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.e2e(isolated=True)  # HOME, stack state and ports of its own (tests/tiers.py)
 
 PER_USER_VARIABLES = (
     "EAGLE_CACHE_DIR", "EAGLE_STORAGE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "TORCH_EXTENSIONS_DIR",

@@ -37,6 +37,10 @@ def test_slow_fast_tier():
 def test_slow_e2e():
     time.sleep(1.0)
 
+@pytest.mark.e2e(isolated=True)
+def test_isolated_e2e():
+    pass
+
 @pytest.mark.nightly
 def test_slow_nightly():
     time.sleep(1.0)
@@ -76,7 +80,7 @@ def test_e2e_processes_are_told_from_helpers():
 @pytest.mark.parametrize("budget, workers", [("0.5", None), (None, None), ("0.5", "2")], ids=["budget", "no-budget", "xdist"])
 def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, budget, workers):
     """The same verdicts in one process and under pytest-xdist's ``--dist loadgroup`` (make test), where the e2e
-    tests share one worker and the controller prints the tier times."""
+    chain shares one worker, an isolated e2e test runs on the other, and the controller prints the tier times."""
     (tmp_path / "test_probe.py").write_text(PROBE)
     env = {k: v for k, v in os.environ.items() if k not in ("EAGLE_TEST_BUDGET_S", "EAGLE_NO_SKIP") and not k.startswith("PYTEST_XDIST")}
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")])
@@ -95,8 +99,9 @@ def test_unmarked_e2e_work_and_slow_fast_tests_fail_with_their_names(tmp_path, b
     assert "tier times: fast " in out and " e2e " in out and " nightly " in out, out[-3000:]
     if workers:
         ran_on = {name: worker for worker, name in re.findall(r"\[(gw\d+)\][^\n]*? (?:PASSED|FAILED|ERROR) \S+::(\w+)", out)}
-        assert len(ran_on) == 7, out[-3000:]
-        assert ran_on["test_marked_job"] == ran_on["test_slow_e2e"], ran_on  # the e2e group: one worker
+        assert len(ran_on) == 8, out[-3000:]
+        assert ran_on["test_marked_job"] == ran_on["test_slow_e2e"], ran_on  # the e2e chain: one worker
+        assert ran_on["test_isolated_e2e"] != ran_on["test_marked_job"], ran_on  # an isolated one: beside it
 
 
 def test_e2e_tests_are_collected_first(tmp_path):
@@ -107,5 +112,5 @@ def test_e2e_tests_are_collected_first(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "tiers", "-p", "no:cacheprovider", str(tmp_path)],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     order = re.findall(r"::(\w+)$", run.stdout, flags=re.MULTILINE)
-    assert order == ["test_marked_job", "test_slow_e2e", "test_unmarked_job", "test_slow_fast_tier", "test_slow_nightly",
+    assert order == ["test_marked_job", "test_slow_e2e", "test_isolated_e2e", "test_unmarked_job", "test_slow_fast_tier", "test_slow_nightly",
                      "test_ordinary_process", "test_fast_on_a_slow_shared_fixture"], run.stdout

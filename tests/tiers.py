@@ -22,6 +22,8 @@ At the end of the run the wall time of each tier is printed (``tier times:``), w
 Under pytest-xdist (the Makefile runs ``-n <cores> --dist loadgroup``) the e2e tests form one work unit, run
 first and one after another by one worker, while the other workers run the in-process tier beside them
 (``pytest_xdist_make_scheduler``); each worker gets an equal share of the cores' torch threads (conftest.py).
+A module marked ``e2e(isolated=True)`` (its own HOME, state folder and free ports: nothing it starts can meet
+another test's processes) is a work unit of its own, so another worker can run it beside that chain.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def _budget_s() -> float | None:
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):  # an xdist controller
         os.environ[_E2E_LISTING] = str(Path(tempfile.mkdtemp(prefix="eagle-tiers-")) / "e2e")  # the workers inherit it
-    config.addinivalue_line("markers", "e2e: starts Ray, the local stack, Ray Serve, vLLM, the platform service or a job subprocess")
+    config.addinivalue_line("markers", "e2e(isolated=False): starts Ray, the local stack, Ray Serve, vLLM, the platform service or a "
+                            "job subprocess; isolated=True: on a HOME, state folder and ports of its own, so it may run beside other e2e tests")
     config.addinivalue_line("markers", "nightly: only `make test-all` runs it (`make test` deselects it)")
     original = subprocess.Popen.__init__
     if getattr(original, "_eagle_tiers", False):
@@ -131,20 +134,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if listing and worker:
         staged = Path(f"{listing}.{worker}")
-        staged.write_text("\n".join(item.nodeid for item in items if item.get_closest_marker("e2e")))
+        staged.write_text("".join(f"{unit}\t{item.nodeid}\n" for item in items if (unit := _e2e_unit(item))))
         staged.replace(f"{listing}.{worker}.done")
 
 
-_E2E_LISTING = "EAGLE_TIERS_E2E_LISTING"  # the file (prefix) the workers list the e2e node ids in
+_E2E_LISTING = "EAGLE_TIERS_E2E_LISTING"  # the file (prefix) the workers list the e2e node ids in, with their units
+
+
+def _e2e_unit(item: pytest.Item) -> str | None:
+    """The xdist work unit of an e2e test: ``e2e`` (the chain one worker runs), or for an isolated one
+    ``e2e:<module>``; None outside the e2e tier."""
+    marker = item.get_closest_marker("e2e")
+    if marker is None:
+        return None
+    return f"e2e:{item.nodeid.split('::', 1)[0]}" if marker.kwargs.get("isolated") else "e2e"
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``--dist loadgroup`` (``make test``): the e2e tests are one work unit, so one worker runs them one
     after another and first (each starts Ray, Serve or a stack sized for the whole machine), while the other
-    workers run the in-process tier beside them. pytest-xdist's own ``xdist_group`` marker cannot say this with
-    pytest 9 (xdist 3.8 renames a grouped test's ``_nodeid``, which pytest 9 no longer reads), so the unit
-    is made here, from the node ids the workers list at collection."""
+    workers run the in-process tier beside them. An isolated e2e module is a unit of its own: xdist hands the
+    largest units out first, so the second worker starts on it (the longest single test, the fresh-machine
+    quickstart) beside the chain, and both then share the in-process tests. pytest-xdist's own ``xdist_group``
+    marker cannot say this with pytest 9 (xdist 3.8 renames a grouped test's ``_nodeid``, which pytest 9 no
+    longer reads), so the units are made here, from the node ids the workers list at collection."""
     if config.getvalue("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadGroupScheduling
@@ -152,14 +166,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     listing = os.environ[_E2E_LISTING]
 
     class E2EInOneUnit(LoadGroupScheduling):
-        _e2e: frozenset[str] | None = None
+        _e2e: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
             if self._e2e is None:  # scopes are split once every worker has collected (and listed)
                 lists = sorted(Path(listing).parent.glob(Path(listing).name + ".*.done"))
                 assert lists, f"no worker listed its e2e tests under {listing}"
-                self._e2e = frozenset(lists[0].read_text().split("\n")) - {""}
-            return "e2e" if nodeid in self._e2e else super()._split_scope(nodeid)
+                self._e2e = {test: unit for unit, _, test in (line.partition("\t") for line in lists[0].read_text().splitlines())}
+            return self._e2e.get(nodeid) or super()._split_scope(nodeid)
 
     return E2EInOneUnit(config, log)
 
