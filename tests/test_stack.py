@@ -1,8 +1,10 @@
 """infra/local/stack.sh end to end on free ports: up (Ray head + MLflow), up again, status, a `ray job submit`
-with token authentication, down; afterwards nothing it started is left listening."""
+with token authentication that runs on this stack's Ray though a second stack started after it on the same
+host, down; afterwards nothing it started is left listening."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.nightly]  # the stack itself runs und
 def test_stack_up_status_submit_down(tmp_path):
     env, ports = stack_env(tmp_path / "stack")
     mlflow_uri = f"http://127.0.0.1:{ports['MLFLOW_PORT']}"
+    other_up = None
     try:
         up = stack("up", env)
         assert up.returncode == 0, up.stderr
@@ -35,19 +38,31 @@ def test_stack_up_status_submit_down(tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         assert "mlflow: up" in status.stdout and "ray: up" in status.stdout
 
+        # A second stack on this host, started later. Ray's job supervisor gives a job driver the address it reads
+        # from its temp dir's ray_current_cluster: with one temp dir for both heads, that names the later one.
+        other_env, other_ports = stack_env(tmp_path / "other")  # after `up`: this stack's ports are taken now
+        other_up = stack("up", other_env)
+        assert other_up.returncode == 0, other_up.stderr
+
         job_env = client_env(env, tmp_path / "stack")
-        # a job reaches the authenticated MLflow with the credentials the Ray head passes it (not the password)
-        probe = ("import eagle, jobs; from eagle_platform.registry import Runs; "
-                 "print('job-ok', Runs().get_or_create_experiment('stack-test'))")
+        # a job reaches the authenticated MLflow with the credentials the Ray head passes it (not the password),
+        # and the Ray it was submitted to
+        probe = ("import os, eagle, jobs; from eagle_platform.registry import Runs; "
+                 "print('job-ok', Runs().get_or_create_experiment('stack-test'), 'ray-address', os.environ['RAY_ADDRESS'])")
         job = subprocess.run(
             [str(BIN / "ray"), "job", "submit", "--working-dir", str(ROOT), "--", "python", "-c", probe],
             env={k: v for k, v in job_env.items() if not k.startswith(("MLFLOW_TRACKING", "EAGLE_MLFLOW"))},
             cwd=ROOT, capture_output=True, text=True, timeout=300,
         )
         assert job.returncode == 0 and "job-ok" in job.stdout, job.stdout[-2000:] + job.stderr[-2000:]
+        address = re.search(r"ray-address ([\w.-]+:\d+)", job.stdout).group(1)  # the output, not the echoed command
+        assert address.endswith(f":{ports['RAY_PORT']}"), (address, ports["RAY_PORT"], other_ports["RAY_PORT"])
         _assert_registry_writes_need_credentials(mlflow_uri, tmp_path / "stack", job_env)
     finally:
         down = stack("down", env, timeout=120)
+        if other_up is not None:
+            other_down = stack("down", other_env, timeout=120)
+            assert other_down.returncode == 0, other_down.stderr
     assert down.returncode == 0, down.stderr
     still_open = {name: port for name, port in ports.items() if listening(port)}
     assert still_open == {}, f"still listening after down: {still_open}"

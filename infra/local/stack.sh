@@ -15,6 +15,12 @@
 #   MLFLOW_PORT         5000     RAY_PORT (GCS) 6379     RAY_DASHBOARD_PORT (Jobs API) 8265
 #   RAY_CLIENT_PORT     10001    RAY_AGENT_PORT (dashboard agent HTTP) 52365 when free, else any free port
 #   RAY_NUM_CPUS        CPUs the head offers (default: all)
+#   RAY_TEMP_DIR        the head's Ray temp dir: sessions, logs, sockets (default /tmp/ray-stack-<RAY_PORT>; short,
+#                       as Ray's socket paths must fit in 107 bytes). A temp dir of its own, not Ray's shared
+#                       /tmp/ray: Ray's job supervisor hands every job driver the address it reads from
+#                       <temp dir>/ray_current_cluster, which names whichever cluster on the host started last, so
+#                       with a shared one a job submitted here could run against another cluster (seen: a
+#                       featurize job sent to a second stack a test had started beside it)
 #   STACK_TIMEOUT       seconds to wait for each service (default 120)
 # Give `status` and `down` the same settings as `up`. Custom Ray ports must lie outside 10002-19999 (Ray's
 # worker port range). Clients need RAY_AUTH_MODE=token and the token: `up` creates it when none exists
@@ -37,6 +43,7 @@ RAY_DASHBOARD_PORT="${RAY_DASHBOARD_PORT:-8265}"
 RAY_CLIENT_PORT="${RAY_CLIENT_PORT:-10001}"
 RAY_AGENT_PORT="${RAY_AGENT_PORT:-}"
 RAY_NUM_CPUS="${RAY_NUM_CPUS:-$(nproc)}"
+RAY_TEMP_DIR="${RAY_TEMP_DIR:-/tmp/ray-stack-$RAY_PORT}"
 STACK_TIMEOUT="${STACK_TIMEOUT:-120}"
 GRACE_S="${STACK_GRACE_S:-15}"
 
@@ -302,7 +309,7 @@ ray_up() {
         # every job and Serve replica of this head inherits this stack's MLflow and where its credentials are
         # (the password file's path, not the password)
         MLFLOW_TRACKING_URI="$(mlflow_uri)" MLFLOW_TRACKING_USERNAME="$MLFLOW_USER" EAGLE_MLFLOW_PASSWORD_FILE="$MLFLOW_PASSWORD_FILE" \
-        ray start --head --port "$RAY_PORT" \
+        ray start --head --port "$RAY_PORT" --temp-dir "$RAY_TEMP_DIR" \
             --dashboard-host "$HOST" --dashboard-port "$RAY_DASHBOARD_PORT" --include-dashboard true \
             --dashboard-agent-listen-port "$agent_port" --ray-client-server-port "$RAY_CLIENT_PORT" \
             --num-cpus "$RAY_NUM_CPUS" --disable-usage-stats >"$RAY_LOG" 2>&1 </dev/null || started=$?
