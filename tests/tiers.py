@@ -154,8 +154,8 @@ def _e2e_unit(item: pytest.Item) -> str | None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """Under ``--dist loadgroup`` (``make test``): the e2e tests are one work unit, so one worker runs them one
     after another and first (each starts Ray, Serve or a stack sized for the whole machine), while the other
-    workers run the in-process tier beside them. An isolated e2e module is a unit of its own: xdist hands the
-    largest units out first, so the second worker starts on it (the longest single test, the fresh-machine
+    workers run the in-process tier beside them. An isolated e2e module is a unit of its own: xdist hands out the
+    units with the most tests first, so the second worker starts on it (the longest single test, the fresh-machine
     quickstart) beside the chain, and both then share the in-process tests. pytest-xdist's own ``xdist_group``
     marker cannot say this with pytest 9 (xdist 3.8 renames a grouped test's ``_nodeid``, which pytest 9 no
     longer reads), so the units are made here, from the node ids the workers list at collection."""
@@ -165,7 +165,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
     listing = os.environ[_E2E_LISTING]
 
-    class E2EInOneUnit(LoadGroupScheduling):
+    class E2EUnits(LoadGroupScheduling):
         _e2e: dict[str, str] | None = None
 
         def _split_scope(self, nodeid: str) -> str:
@@ -175,7 +175,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
                 self._e2e = {test: unit for unit, _, test in (line.partition("\t") for line in lists[0].read_text().splitlines())}
             return self._e2e.get(nodeid) or super()._split_scope(nodeid)
 
-    return E2EInOneUnit(config, log)
+    return E2EUnits(config, log)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
