@@ -4,7 +4,7 @@ EAGLE-2 (arXiv 2406.16858) fixes depth, top-k and the number of verified tokens 
 code's ``total_token=-1`` sizes the tree by timing forwards at start-up. Here both halves of the trade-off
 are measured when a decoder starts:
 
-* **acceptance** — a calibration decode (greedy, eager) over built-in prompts with the widest candidate
+* **acceptance** — a calibration decode (greedy, eager, the prompts batched) with the widest candidate
   tree: depth ``max_depth``, top-k ``max(top_ks)``, every drafted node verified. For a smaller
   configuration (depth d, top-k k, size T) the tree it would draft is, node for node, a subset of the
   candidates drafted here (a node's predicted feature depends only on its ancestors, so the head computes
@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eagle.generate import GenerationConfig
+from eagle.batch import BatchDecoder
+from eagle.request import GenerationConfig
 from eagle.tree import AutoTree, DynamicTree
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ CALIBRATION_PROMPTS = (
 CALIBRATION_TOKENS = 48
 COST_CONTEXT = 256
 COST_REPEATS = 5
-_TIE = 1e-9  # the reranking key of eagle.tree.draft_tree
+_TIE = 1e-9  # the reranking key of eagle.tree.draft_trees
 
 
 def _prompts(decoder: "Decoder") -> list[list[int]]:
@@ -64,33 +65,35 @@ def _prompts(decoder: "Decoder") -> list[list[int]]:
 
 
 def _calibrate(decoder: "Decoder", spec: AutoTree) -> list[dict]:
-    """Per step of the wide calibration decode: candidates (parent, depth, rank, score) and the accepted path."""
-    from eagle.generate import Decoder
+    """Per step of the wide calibration decode: candidates (parent, depth, rank, score) and the accepted path.
 
+    The prompts decode together, greedily and eagerly, as one batch that drafts every step
+    (``BatchDecoder`` with ``speculate="always"``); ``BatchDecoder.trace`` hands over each row's tree and
+    the nodes it kept."""
     k = max(spec.top_ks)
     wide = DynamicTree(depth=spec.max_depth, top_k=k, total_tokens=k + (spec.max_depth - 1) * k * k)
-    calibration = Decoder(decoder.target, decoder.head, wide, compile="off")
+    calibration = type(decoder)(decoder.target, decoder.head, wide, compile="off")
     config = GenerationConfig(max_new_tokens=CALIBRATION_TOKENS, stop_token_ids=[])
-    steps = []
-    for prompt in _prompts(decoder):
-        if len(prompt) + CALIBRATION_TOKENS + wide.size + 1 > calibration.context_window:
-            continue
-        state = calibration._prefill(prompt, config.sampling, None, capacity=len(prompt) + CALIBRATION_TOKENS + 4 * wide.size)
-        emitted = 1
-        while emitted < CALIBRATION_TOKENS:
-            tree = calibration._draft(state)
-            keep, kept_features, new_tokens = calibration._verify(state, tree, config.sampling, None)
+    prompts = [p for p in _prompts(decoder) if len(p) + CALIBRATION_TOKENS + wide.size + 1 <= calibration.context_window]
+    if not prompts:
+        return []
+    engine = BatchDecoder(calibration, max_batch=len(prompts), max_context=max(map(len, prompts)) + CALIBRATION_TOKENS,
+                          speculate="always")
+    steps: list[dict] = []
+
+    def record(trees, keeps) -> None:
+        for tree, keep in zip(trees, keeps):
             _, parents = tree.host
             rank, seen = [0] * len(parents), {}
             for node in range(1, len(parents)):
                 rank[node] = seen.get(parents[node], 0)
                 seen[parents[node]] = rank[node] + 1
             steps.append({"parents": parents, "depths": tree.depths.tolist(), "ranks": rank, "scores": tree.scores.tolist(), "path": keep[1:]})
-            start = state.committed
-            state.committed += len(keep)
-            state.root = new_tokens[-1]
-            emitted += len(new_tokens)
-            calibration._advance_head(state, start, kept_features, new_tokens)
+
+    engine.trace = record
+    for prompt in prompts:
+        engine.submit(prompt, config)
+    engine.run_until_done()
     return steps
 
 

@@ -49,25 +49,27 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from eagle.errors import ContextLengthError, EagleError
-from eagle.generate import Decoder, GenerationConfig, StepOutput, StepStats, _base, _round_up, TextDelta, _truncate
+from eagle.policy import SPECULATE_MODES, SpeculationPolicy
+from eagle.request import GenerationConfig, StepOutput, StepStats, TextDelta, truncate
 from eagle.runtime import step_inputs
-from eagle.tree import DraftTree, HybridTree, causal_allowed, draft_tree, draft_tree_rows, root_only, rows_mask
+from eagle.tree import DraftTree, HybridTree, base_tree, causal_allowed, draft_trees, root_only, rows_mask
 from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
+
+if TYPE_CHECKING:
+    from eagle.generate import Decoder
 
 logger = logging.getLogger(__name__)
 
-SPECULATE_MODES = ("auto", "always", "never")
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): spreads (seed, position) pairs
 
 
@@ -110,6 +112,7 @@ class BatchRequest:
     finish_reason: str | None = None
     error: BaseException | None = None
     resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
+    generator: torch.Generator | None = None  # T > 0: draw every step from this stream (``submit``)
     submitted_at: float = field(default_factory=time.perf_counter)
     queue_s: float | None = None  # from ``submit`` to the start of its prefill
     prefill_s: float | None = None  # its prefill (the target's forward, first token; the head's waits for a draft)
@@ -141,101 +144,12 @@ class _Row:
         return len(self.pending_tokens)
 
 
-class SpeculationPolicy:
-    """Whether a batch drafts this step, from a measured cost model (not a constant).
-
-    Costs: ``plain_ms[B]`` (one plain batched step) and ``speculative_ms[B]`` (catch-up + drafting +
-    verification of the tree) measured at start-up for a few batch sizes and interpolated between them.
-    A speculative step pays off when the expected tokens per row and step (``tau``) exceed the break-even
-    ``speculative_ms[B] / plain_ms[B]``; ``tau`` starts at ``prior_tau`` and follows what speculative steps
-    accept (an exponential moving average). While plain decoding wins, a step drafts anyway now and then so
-    that a better-matching workload (say, repetitive text) can switch speculation back on: after
-    ``explore_every x (break-even - 1)`` plain steps, i.e. exploring costs about one plain step in
-    ``explore_every`` whatever a speculative step costs at this batch size (every 32nd step where drafting
-    costs 2x, every 128th where it costs 5x). Each exploration that leaves drafting still behind doubles the
-    next interval, up to ``explore_backoff`` times the first, so a head that stays below break-even costs
-    less and less (at a fixed interval the EAGLE pair ran 4-9 % behind the target alone at 4-16 clients,
-    docs/benchmarks.md section 7); a step that drafts for real resets it.
-    Verification becomes compute-bound as the batch grows, so the break-even rises with B: the draft
-    budget shrinks to nothing at the batch sizes where plain batched decoding is faster."""
-
-    def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",
-                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32, explore_backoff: int = 8) -> None:
-        if mode not in SPECULATE_MODES:
-            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
-        self.plain_ms = dict(sorted(plain_ms.items()))
-        self.speculative_ms = dict(sorted(speculative_ms.items()))
-        self.mode = mode
-        self.tau = prior_tau
-        self.smoothing = smoothing
-        self.explore_every = explore_every
-        self.explore_backoff = explore_backoff
-        self._explore_scale = 1  # doubles after each exploration while drafting stays behind, up to explore_backoff
-        self._since_draft = 0
-        self.decisions = {"draft": 0, "plain": 0, "explore": 0}
-
-    @staticmethod
-    def _at(costs: dict[int, float], batch: int) -> float:
-        sizes = list(costs)
-        if batch <= sizes[0]:
-            return costs[sizes[0]]
-        for low, high in zip(sizes, sizes[1:]):
-            if batch <= high:
-                return costs[low] + (costs[high] - costs[low]) * (batch - low) / (high - low)
-        if len(sizes) == 1:
-            return costs[sizes[0]] * batch / sizes[0]
-        low, high = sizes[-2], sizes[-1]  # extrapolate linearly
-        return costs[high] + (costs[high] - costs[low]) * (batch - high) / (high - low)
-
-    def break_even(self, batch: int) -> float:
-        """The tau at which drafting and plain decoding produce tokens equally fast at this batch size."""
-        if not self.speculative_ms or not self.plain_ms:  # nothing to draft with (the target alone)
-            return float("inf")
-        return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
-
-    def explore_interval(self, batch: int) -> int:
-        """Steps from one exploring step to the next while plain decoding wins at this batch size (none while
-        drafting has no measured cost)."""
-        extra = self.break_even(batch) - 1
-        return max(1, round(self.explore_every * extra * self._explore_scale)) if extra != float("inf") else sys.maxsize
-
-    def choose(self, batch: int) -> str:
-        """``"draft"``, ``"explore"`` (drafting to measure acceptance) or ``"plain"`` for this step."""
-        if self.mode != "auto":
-            decision = "draft" if self.mode == "always" else "plain"
-        elif self.tau >= self.break_even(batch):
-            decision = "draft"
-            self._explore_scale = 1
-        elif self._since_draft + 1 >= self.explore_interval(batch):
-            decision = "explore"
-            self._explore_scale = min(self._explore_scale * 2, self.explore_backoff)  # what it sees resets it on drafting
-        else:
-            decision = "plain"
-        self._since_draft = 0 if decision != "plain" else self._since_draft + 1
-        self.decisions[decision] += 1
-        return decision
-
-    def observe(self, tokens_per_row: float) -> None:
-        """A speculative step's mean tokens per row (accepted + 1)."""
-        self.tau += self.smoothing * (tokens_per_row - self.tau)
-
-    def report(self) -> dict:
-        """The policy's state and decisions so far, JSON-safe (no infinities: an unmeasured cost is None)."""
-        finite = lambda v: round(v, 3) if v != float("inf") else None  # noqa: E731
-        return {
-            "mode": self.mode, "tau_estimate": round(self.tau, 3), "decisions": dict(self.decisions),
-            "explore_scale": self._explore_scale,
-            "plain_ms": {b: finite(v) for b, v in self.plain_ms.items()},
-            "speculative_ms": {b: finite(v) for b, v in self.speculative_ms.items()},
-            "break_even_tau": {b: finite(self.break_even(b)) for b in self.plain_ms},
-        }
-
-
 def _seeded_sampling(request: BatchRequest) -> bool:
     """A seeded request at T > 0 never drafts: speculative sampling draws a different (equally distributed)
     sample than plain sampling from the same random stream, so a seeded row that drafted in some steps
-    and not in others (the policy follows the batch) would not repeat its output."""
-    return request.config.seed is not None and not request.config.sampling.greedy
+    and not in others (the policy follows the batch and the measured costs) would not repeat its output.
+    A request given its own generator drafts: its caller asked for one stream, not for a repeatable output."""
+    return request.config.seed is not None and request.generator is None and not request.config.sampling.greedy
 
 
 class BatchDecoder:
@@ -245,6 +159,7 @@ class BatchDecoder:
     ``max_batch`` (prefilling each), runs one batched step over every live request and returns the
     (request, output) pairs it produced. ``cancel`` drops a request between steps. ``max_context`` bounds
     prompt + new tokens per request (the KV cache holds ``max_batch`` rows of that many slots).
+    ``speculate``: the ``SpeculationPolicy``'s mode (default the decoder's); ``warmup`` measures its costs.
 
     ``graphs``: batch sizes whose plain step (one token per row) runs a compiled graph (``compile="on"``
     only): a plain step of B rows pads to the smallest of them >= B (padding rows write slot 0 of free
@@ -255,7 +170,7 @@ class BatchDecoder:
     """
 
     def __init__(self, decoder: Decoder, *, max_batch: int = 8, max_context: int | None = None,
-                 speculate: str = "auto", policy: SpeculationPolicy | None = None, graphs: Sequence[int] = ()) -> None:
+                 speculate: str | None = None, policy: SpeculationPolicy | None = None, graphs: Sequence[int] = ()) -> None:
         if max_batch < 1:
             raise EagleError(f"max_batch must be >= 1, got {max_batch}")
         self.graphs = check_graphs(graphs, max_batch, decoder.compile.enabled)
@@ -266,7 +181,7 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.max_context = min(max_context or decoder.context_window, decoder.context_window)
         self.tree = decoder.tree if decoder.head is not None else None
-        self.capacity = _round_up(self.max_context + decoder._scratch() + 1, 64)
+        self.capacity = decoder._capacity(self.max_context)
         rows = max_batch
         self.cache = self.runtime.new_cache(self.capacity, rows)
         self.head_cache = self.heads.new_cache(self.capacity, rows) if self.heads is not None else None
@@ -274,15 +189,23 @@ class BatchDecoder:
         self._queue: deque[BatchRequest] = deque()
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
-        self.speculate = speculate if self.heads is not None else "never"
-        self.policy = policy or SpeculationPolicy({1: 1.0}, {1: 1.0}, mode="never" if self.heads is None else speculate)
+        self.speculate = (speculate or decoder.speculate) if self.heads is not None else "never"
+        if self.speculate not in SPECULATE_MODES:
+            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        # unmeasured (break-even 1) until ``warmup``: drafts every step
+        self.policy = policy or SpeculationPolicy({1: 1.0}, {1: 1.0}, mode=self.speculate)
         self.steps = 0
+        # called after each step's verification with every row's tree and kept nodes (the root included):
+        # what ``eagle.autotree`` calibrates from
+        self.trace: Callable[[list[DraftTree], list[list[int]]], None] | None = None
 
     # ---- widths and warm-up -----------------------------------------------------------------------
 
-    def _single(self, batch: int) -> bool:
-        """Whether a step of ``batch`` rows runs the single-request compiled graphs (row 0)."""
-        return batch == 1 and self.decoder.compile.enabled
+    @staticmethod
+    def _single(batch: int) -> bool:
+        """Whether a step of ``batch`` rows runs the single-request functions on row 0 (compiled under
+        ``compile="on"``, the lean modules eagerly otherwise): a batch of one."""
+        return batch == 1
 
     def _verify_width(self, speculative: bool) -> int:
         return max(self.decoder._widths()["verify"]) if speculative else 1
@@ -297,22 +220,28 @@ class BatchDecoder:
         batch, so drafting cannot pay at the larger sizes either, and ``SpeculationPolicy`` extrapolates
         their cost. Where drafting is dear (bf16 emulated on an AVX2 CPU: a SmolLM2 speculative step 13x a
         plain one at batch 1) this skips the slowest measurements of a replica's start."""
-        self.decoder.warmup()  # resolves an auto tree; compiles the single-request graphs a batch of one runs
+        self.decoder.warmup(measure=False)  # resolves an auto tree; compiles the single-request graphs a batch of one runs
         for batch in self.graphs:  # compiled here, not in a request's step
             self._synthetic_verify(batch, 1, self._synthetic_context)
+        self.policy = self.measure(sizes=sizes, repeats=repeats if measure else 1)
+        report = self.policy.report()
+        logger.info("batch policy: %s", report)
+        return report
+
+    @torch.inference_mode()
+    def measure(self, *, sizes: Sequence[int] | None = None, repeats: int = 3) -> SpeculationPolicy:
+        """A ``SpeculationPolicy`` over this decoder's measured plain and speculative step costs at ``sizes``
+        (default 1, 2, 4, ... up to ``max_batch``), keeping the current policy's mode, tau and exploration
+        settings."""
         sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
         plain, speculative = {}, {}
         most_per_step = self.decoder.tree.depth + 1 if self.heads is not None else 0
         for batch in sizes:
-            plain[batch] = self._time_step(batch, False, repeats if measure else 1)
+            plain[batch] = self._time_step(batch, False, repeats)
             if self.heads is not None and all(speculative[b] <= most_per_step * plain[b] for b in speculative):
-                speculative[batch] = self._time_step(batch, True, repeats if measure else 1)
-        self.policy = SpeculationPolicy(plain, speculative, mode=self.speculate,
-                                        prior_tau=self.policy.tau, explore_every=self.policy.explore_every,
-                                        explore_backoff=self.policy.explore_backoff)
-        report = self.policy.report()
-        logger.info("batch policy: %s", report)
-        return report
+                speculative[batch] = self._time_step(batch, True, repeats)
+        return SpeculationPolicy(plain, speculative, mode=self.speculate, prior_tau=self.policy.tau,
+                                 explore_every=self.policy.explore_every, explore_backoff=self.policy.explore_backoff)
 
     def _time_step(self, batch: int, speculative: bool, repeats: int) -> float:
         """Milliseconds of one synthetic step of ``batch`` rows at a 128-token context (the median of
@@ -398,18 +327,20 @@ class BatchDecoder:
         return min(self.max_context - prompt_len, self.decoder.context_window - prompt_len - tree_size - 1)
 
     def submit(self, prompt_ids: Sequence[int], config: GenerationConfig | None = None, *,
-               generated: Sequence[int] = ()) -> BatchRequest:
+               generated: Sequence[int] = (), generator: torch.Generator | None = None) -> BatchRequest:
         """Queue a request (checked now: ``EagleError`` on bad input); it joins at the next ``step``.
 
         ``generated``: tokens of this request's output produced earlier (a resumed request): decoding
         continues after them exactly as a step of the uninterrupted run would (the last of them is the
-        root of the next step's tree, not a token sampled again); ``max_new_tokens`` counts them."""
+        root of the next step's tree, not a token sampled again); ``max_new_tokens`` counts them.
+        ``generator``: at T > 0, the one random stream every step of this request draws from (instead of
+        streams seeded per step from ``config.seed``), and the request drafts as the policy says."""
         config = config or GenerationConfig()
         prompt_ids, generated = list(prompt_ids), [int(t) for t in generated]
         self.check(prompt_ids + generated, config)  # the vocabulary and window checks cover them too
         if len(generated) > config.max_new_tokens:
             raise EagleError(f"{len(generated)} generated tokens exceed max_new_tokens ({config.max_new_tokens})")
-        request = BatchRequest(prompt_ids, config, resumed=generated)
+        request = BatchRequest(prompt_ids, config, resumed=generated, generator=generator)
         with self._lock:
             self._queue.append(request)
         return request
@@ -438,8 +369,25 @@ class BatchDecoder:
         ``on_admit``: called after each admitted request's prefill, before the next one's, so a server can
         hand that request its first token while the rest of a wave of arrivals is still being prefilled
         (their outputs are already in ``request.outputs``)."""
-        events: list[tuple[BatchRequest, StepOutput]] = []
         self._drop_cancelled()
+        events = self.admit(on_admit)
+        if not self.rows:
+            return events
+        try:
+            events.extend(self._advance())
+        except Exception as err:  # the batch's state is unknown after a failed forward: fail its requests
+            logger.exception("batch step failed; failing its %d requests", len(self.rows))
+            for row in self.rows:
+                self._fail(row.request, err)
+            self.rows.clear()
+        self._retire()
+        return events
+
+    @torch.inference_mode()
+    def admit(self, on_admit: Callable[[], None] | None = None) -> list[tuple[BatchRequest, StepOutput]]:
+        """Prefill queued requests into free rows (up to ``max_batch``) and retire those already finished;
+        returns their first tokens. ``step`` does this before each step."""
+        events: list[tuple[BatchRequest, StepOutput]] = []
         while len(self.rows) < self.max_batch:
             with self._lock:
                 if not self._queue:
@@ -460,17 +408,14 @@ class BatchDecoder:
             if on_admit is not None:
                 on_admit()
         self._retire()
-        if not self.rows:
-            return events
-        try:
-            events.extend(self._advance())
-        except Exception as err:  # the batch's state is unknown after a failed forward: fail its requests
-            logger.exception("batch step failed; failing its %d requests", len(self.rows))
-            for row in self.rows:
-                self._fail(row.request, err)
-            self.rows.clear()
-        self._retire()
         return events
+
+    @torch.inference_mode()
+    def draft(self) -> list[DraftTree]:
+        """The tree each live row would verify at its next speculative step (the head caught up first);
+        nothing is verified or committed. For inspection: tests, and what a tree drafts."""
+        self._catch_up()
+        return self._draft(self.rows)
 
     def run_until_done(self) -> None:
         """Step until nothing is queued or live (tests, offline batches)."""
@@ -482,6 +427,8 @@ class BatchDecoder:
     def _generator(self, request: BatchRequest, position: int) -> torch.Generator | None:
         if request.config.sampling.greedy:
             return None
+        if request.generator is not None:
+            return request.generator
         generator = torch.Generator(device=self.target.device)
         seed = request.config.seed
         # unseeded: a fresh stream drawn from torch's global generator (``torch.manual_seed`` repeats a run)
@@ -489,7 +436,7 @@ class BatchDecoder:
         return generator
 
     def _reseed(self, row: _Row) -> None:
-        if row.generator is not None and row.request.config.seed is not None:
+        if row.generator is not None and row.request.config.seed is not None and row.request.generator is None:
             row.generator.manual_seed(step_seed(row.request.config.seed, len(row.context)))
 
     def _admit(self, request: BatchRequest) -> StepOutput | None:
@@ -512,7 +459,7 @@ class BatchDecoder:
                 root = int(self.runtime.model.greedy(last, logits)[0])
             else:
                 root = sample_token(processed_probs(logits[0].float(), sampling), generator)
-        row = _Row(request, self.decoder._stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
+        row = _Row(request, self.decoder.stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
         if self.heads is not None:
             # the head's prefill waits for the row's first speculative step (``_catch_up``): while the
             # policy decodes plainly a request can finish without ever running the head
@@ -548,6 +495,8 @@ class BatchDecoder:
         drafted = time.perf_counter()
         results = self._verify(trees)
         verified = time.perf_counter()
+        if self.trace is not None:
+            self.trace(trees, [keep for keep, _, _ in results])
         self.steps += 1
         events = []
         accepted_total = 0
@@ -560,7 +509,7 @@ class BatchDecoder:
                 row.pending_features.append(kept_features)
                 row.pending_tokens.extend(new_tokens)
             config = request.config
-            out = _truncate(new_tokens, config.max_new_tokens - len(request.token_ids), row.stop_ids)
+            out = truncate(new_tokens, config.max_new_tokens - len(request.token_ids), row.stop_ids)
             request.token_ids.extend(out)
             accepted_total += len(new_tokens)
             stats = StepStats(len(new_tokens) - 1, len(tree) - 1, (drafted - started) / batch, (verified - drafted) / batch,
@@ -637,14 +586,20 @@ class BatchDecoder:
 
     def _draft_rows(self, hidden: torch.Tensor, roots: torch.Tensor, prefix: torch.Tensor, contexts: list[list[int]]) -> list[DraftTree]:
         tree = self.tree
-        base = _base(tree)
+        base = base_tree(tree)
         batch = roots.numel()
-        if self._single(batch):
-            expand = self.heads.expand(base.expand_width) if base.depth > 1 else None
-            trees = [draft_tree(self.heads.lean, expand, self.head_cache.row(0), hidden[0], roots[:1], int(prefix[0]), base)]
+        if self._single(batch):  # the compiled single-row draft step on row 0
+            view, lean = self.head_cache.row(0), self.heads.lean
+
+            def expand(features, tokens, positions, slots, mask, k):
+                out = self.heads.expand(base.expand_width)(features, tokens, positions, slots[0], mask, view.keys, view.values, k)
+                return tuple(t[None] for t in out)
         else:
             lean = self.heads.rows_lean
-            trees = draft_tree_rows(lean, lean.expand_rows, self.head_cache, hidden, roots, prefix, base)
+
+            def expand(features, tokens, positions, slots, mask, k):
+                return lean.expand_rows(features, tokens, positions, slots, mask, self.head_cache.keys, self.head_cache.values, k)
+        trees = draft_trees(lean, expand, hidden, roots, prefix, base)
         if isinstance(tree, HybridTree):
             from eagle.ngram import add_branch
 

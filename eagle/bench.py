@@ -8,7 +8,9 @@ Methods, all batch 1 on the target's device, timed by wall clock around one whol
 included), after one short untimed warm-up generation of each:
 
 * ``plain`` — our decode loop without a head (``Decoder(target, None)``): one target forward per token.
-* ``eagle`` — ``Decoder(target, head, tree)``; skipped when ``head`` is None.
+* ``eagle`` — ``Decoder(target, head, tree, speculate=...)``; skipped when ``head`` is None. Under the default
+  ``speculate="auto"`` its measured policy decides per step whether to draft (``eagle.policy``), as every
+  user of the loop gets it; ``"always"`` drafts every step (the head's acceptance alone).
 * ``hf`` — ``target.model.generate``, the same stop ids (``target.eos_token_ids``) and token budget.
 * ``prompt-lookup`` — ``target.model.generate(prompt_lookup_num_tokens=10)`` (n-gram drafts copied from
   the prompt; Saxena 2023), a head-free speculative baseline.
@@ -21,7 +23,8 @@ At temperature > 0 the HF baselines sample (``do_sample=True``) with the same te
 
 Statistics (EAGLE, arXiv 2401.15077, section 5):
 
-* ``tau`` — average acceptance length: tokens per target forward after prefill (``GenerationResult.tau``).
+* ``tau`` — average acceptance length: tokens per target forward over the steps that drafted (a plain step
+  says nothing of the head); ``drafted_share`` — the share of EAGLE's steps that drafted.
 * ``n_alpha`` — here the *conditional acceptance rate at draft depth d*, for d = 1..D (D = the tree's
   depth): alpha_d = #steps with accepted >= d / #steps with accepted >= d - 1. The token at depth d was
   drafted from d - 1 of the head's own predicted features, so alpha_d plays the role of the paper's
@@ -80,7 +83,7 @@ N_ALPHA_DEFINITION = (
     "alpha_d = #steps with accepted >= d / #steps with accepted >= d-1, d = 1..tree depth "
     "(conditional acceptance at draft depth d; cf. n-alpha, arXiv 2401.15077 section 5)"
 )
-TAU_DEFINITION = "tokens per target forward after prefill (accepted + 1, averaged over steps)"
+TAU_DEFINITION = "tokens per target forward after prefill (accepted + 1, averaged over the steps that drafted)"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -290,9 +293,11 @@ class _Method:
 
 def _decoder_method(name: str, decoder: Decoder, sampling: SamplingConfig) -> _Method:
     def generate(prompt_ids: list[int], max_new_tokens: int, seed: int) -> _Run:
-        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, seed=seed)
+        config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling)
+        # one random stream per prompt, so that EAGLE drafts at T > 0 (a seeded request would not)
+        generator = None if sampling.greedy else torch.Generator(device=decoder.target.device).manual_seed(seed)
         started = time.perf_counter()
-        result = decoder.generate(prompt_ids, config)
+        result = decoder.generate(prompt_ids, config, generator)
         return _Run(result.token_ids, time.perf_counter() - started, result)
 
     return _Method(name, generate)
@@ -397,6 +402,7 @@ def _prompt_record(
         "methods": methods,
         "speedup": _speedups({name: entry["tokens_per_second"] for name, entry in methods.items()}),
         "tau": None,
+        "drafted_share": None,
         "n_alpha": None,
         "accepted_counts": None,
         "outputs_match_plain": None,
@@ -407,9 +413,11 @@ def _prompt_record(
     plain = runs["plain"].token_ids
     eagle = runs.get("eagle")
     if eagle is not None:
-        accepted = [step.accepted for step in eagle.result.steps]
-        record.update(tau=eagle.result.tau, n_alpha=n_alpha(accepted, depth),
-                      accepted_counts=acceptance_counts(accepted, depth))
+        steps = eagle.result.steps
+        accepted = [step.accepted for step in steps if step.tree_size > 0]
+        record.update(tau=(sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
+                      drafted_share=len(accepted) / len(steps) if steps else None,
+                      n_alpha=n_alpha(accepted, depth), accepted_counts=acceptance_counts(accepted, depth))
         if greedy:
             record["outputs_match_plain"] = eagle.token_ids == plain
             if eagle.token_ids != plain:
@@ -445,6 +453,7 @@ def _aggregate(records: list[dict[str, Any]], method_names: list[str], depth: in
         "accepted_counts": None,
         "tau_mean": None,
         "tau_pooled": None,
+        "drafted_share": None,
         "n_alpha_mean": None,
         "n_alpha_pooled": None,
         "all_outputs_match_plain": _all_true(records, "outputs_match_plain"),
@@ -456,9 +465,12 @@ def _aggregate(records: list[dict[str, Any]], method_names: list[str], depth: in
         counts = [sum(c) for c in zip(*(r["accepted_counts"] for r in records))]
         accepted = [k for k, count in enumerate(counts) for _ in range(count)]  # every step of every prompt
         per_depth = [[r["n_alpha"][d] for r in records if r["n_alpha"][d] is not None] for d in range(depth)]
+        taus = [r["tau"] for r in records if r["tau"] is not None]
+        steps = sum(r["methods"]["eagle"]["steps"] for r in records)
         aggregate.update(
             accepted_counts=counts,
-            tau_mean=sum(r["tau"] for r in records) / len(records),
+            tau_mean=sum(taus) / len(taus) if taus else None,
+            drafted_share=len(accepted) / steps if steps else None,
             tau_pooled=(sum(accepted) + len(accepted)) / len(accepted) if accepted else None,
             n_alpha_mean=[sum(v) / len(v) if v else None for v in per_depth],
             n_alpha_pooled=n_alpha(accepted, depth),
@@ -556,6 +568,7 @@ def run_bench(
     progress: bool = True,
     head_label: str | None = None,
     compile: str = "off",
+    speculate: str = "auto",
 ) -> dict[str, Any]:
     """Run plain decoding, EAGLE (unless ``head`` is None) and the HF ``baselines`` on every prompt.
 
@@ -563,6 +576,8 @@ def run_bench(
     ``aggregate`` (totals over prompts). ``head_label`` names the head in ``config.head`` (e.g. "random").
     Prompt ``i`` is generated with seed ``seed + i`` by every method. ``compile`` is our decoders' mode
     (``eagle.compile``); their warm-up (compile seconds, an auto tree's choice) is reported in ``config``.
+    ``speculate``: EAGLE's policy mode (``eagle.policy``); its measured costs and decisions are reported
+    in ``config.policy``.
     """
     from tqdm.auto import tqdm
 
@@ -575,7 +590,7 @@ def run_bench(
     GenerationConfig(max_new_tokens=max_new_tokens)  # validates max_new_tokens
     decoders = {"plain": Decoder(target, None, compile=compile)}
     if head is not None:
-        decoders["eagle"] = Decoder(target, head, tree or DEFAULT_TREE, compile=compile)
+        decoders["eagle"] = Decoder(target, head, tree or DEFAULT_TREE, compile=compile, speculate=speculate)
     warmup = {name: decoder.warmup() for name, decoder in decoders.items()}  # compiles once, before any timing
     tree = decoders["eagle"].tree if head is not None else (tree or DEFAULT_TREE)
     auto = decoders["eagle"].auto_report if head is not None else None
@@ -611,6 +626,8 @@ def run_bench(
         "compile": compile,
         "compile_s": {name: seconds for name, seconds in warmup.items() if seconds},
         "auto_tree": auto,
+        "speculate": speculate,
+        "policy": decoders["eagle"].policy.report() if head is not None else None,
         # other processes on a small CPU host skew every timing: the 1-minute load average says how much
         "load_average_1m": {"start": load_before, "end": _load_average()},
     }
@@ -685,6 +702,9 @@ def markdown_table(result: dict) -> str:
         f"{config['date']}, 1-minute load average {_fmt(load.get('start'))} -> {_fmt(load.get('end'))}. "
         f"Speedups are tokens/s ratios; tau = {TAU_DEFINITION}.",
         "",
+        *([f"EAGLE's speculation: {config.get('speculate')}, drafted in {_fmt(aggregate.get('drafted_share'))} of its steps "
+           f"(measured break-even tau at batch 1: {_fmt(config['policy']['break_even_tau'].get(1))})", ""]
+          if config.get("policy") else []),
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
         row("**all**", None, aggregate, aggregate["tau_mean"], aggregate["all_outputs_match_plain"],
@@ -716,11 +736,11 @@ def _plot(result: dict, path: Path) -> None:
     ids = [r["id"] for r in result["prompts"]]
     if "eagle" in names:
         positions = range(len(ids))  # prompt ids like "81" would otherwise be read as numbers
-        taus.bar(positions, [r["tau"] for r in result["prompts"]], color="#d62728")
+        taus.bar(positions, [r["tau"] or 0.0 for r in result["prompts"]], color="#d62728")
         taus.set_xticks(positions, ids)
         taus.axhline(1.0, color="#888888", linewidth=1, linestyle="--")
         taus.set_ylabel("tau (tokens per target forward)")
-        taus.set_title(f"EAGLE tau per prompt (mean {result['aggregate']['tau_mean']:.2f})")
+        taus.set_title(f"EAGLE tau per prompt (mean {_fmt(result['aggregate']['tau_mean'])})")
     else:
         taus.text(0.5, 0.5, "no EAGLE head", ha="center", va="center", transform=taus.transAxes)
         taus.set_axis_off()

@@ -16,6 +16,7 @@ from typing import Sequence
 
 from eagle.bench import PROMPT_SETS
 from eagle.compile import COMPILE_MODES
+from eagle.policy import SPECULATE_MODES
 from eagle.formats import EXPORT_FORMATS
 from eagle.tree import TREE_KINDS
 
@@ -60,6 +61,11 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
     parser.add_argument(
         "--compile", default="on", choices=list(COMPILE_MODES),
         help="on: torch.compile the decoder's hot functions (paid once at start-up); off: run them eagerly",
+    )
+    parser.add_argument(
+        "--speculate", default="auto", choices=list(SPECULATE_MODES),
+        help="auto: draft only in steps where this machine's measured costs and the head's acceptance say it pays "
+             "(else decode plainly); always: draft every step; never: plain decoding",
     )
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
 
@@ -205,12 +211,14 @@ def _decoder(args, target, head):
     """The decoder with its functions compiled (or run once eagerly) and an auto tree resolved; logs both."""
     from eagle.generate import Decoder
 
-    decoder = Decoder(target, head, _tree(args), compile=args.compile)
+    decoder = Decoder(target, head, _tree(args), compile=args.compile, speculate=args.speculate)
     seconds = decoder.warmup()
     if seconds:
         logger.info("compiled in %.1f s: %s", sum(seconds.values()), ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
     if decoder.auto_report is not None:
         logger.info("auto tree: %s", decoder.auto_report["summary"])
+    if head is not None:
+        logger.info("speculation: %s (break-even tau %s at batch 1)", args.speculate, decoder.policy.report()["break_even_tau"].get(1))
     return decoder
 
 
@@ -237,6 +245,8 @@ def cmd_generate(args) -> int:
         "draft_s": round(result.draft_s, 4),
         "verify_s": round(result.verify_s, 4),
         "accepted_per_step": [s.accepted for s in result.steps],
+        "drafted_steps": sum(1 for s in result.steps if s.tree_size > 0),
+        "policy": decoder.policy.report() if head is not None else None,
     }
     if args.json:
         sys.stdout.write(json.dumps(record) + "\n")
@@ -275,6 +285,7 @@ def cmd_bench(args) -> int:
         seed=args.seed,
         head_label=args.head,
         compile=args.compile,
+        speculate=args.speculate,
     )
     result.setdefault("config", {})["command"] = "eaglectl " + " ".join(sys.argv[1:])
     paths = bench.write_report(result, args.out)

@@ -16,9 +16,9 @@ settings — CLI flags, a Serve config, a preset — into a policy):
   costs and acceptance (EAGLE-2's ``total_token=-1``; ``eagle.autotree``).
 * ``HybridTree`` — any of the above plus a branch proposed by n-gram matching (``eagle.ngram``).
 
-Drafting is vectorised (``draft_tree``): per depth, one head call over a fixed number of rows, then tensor
-ops choose the next rows, build their attention masks and rerank; nothing reads a tensor back to the host
-until the finished tree is verified.
+Drafting is vectorised over requests and nodes (``draft_trees``, batch 1 being a batch of one): per depth,
+one head call over a fixed number of rows, then tensor ops choose the next rows, build their attention masks
+and rerank; nothing reads a tensor back to the host until the finished trees are verified.
 
 Does not own: accepting tokens (``verify.py``) or the decode loop (``generate.py``).
 """
@@ -168,6 +168,11 @@ class HybridTree:
 
 TreeSpec = Union[StaticTree, DynamicTree, AutoTree, HybridTree]
 TREE_KINDS = ("dynamic", "static", "auto", "hybrid")
+
+
+def base_tree(tree: "TreeSpec") -> "TreeSpec":
+    """The head-drafted part of ``tree``: a hybrid tree's base, any other tree itself."""
+    return tree.base if isinstance(tree, HybridTree) else tree
 
 
 def build_tree(
@@ -343,85 +348,6 @@ def _static_plan(spec: StaticTree, device) -> tuple[list[_Level], list[torch.Ten
     return levels, expand
 
 
-@torch.inference_mode()
-def draft_tree(
-    head: "LeanHead",
-    expand,  # callable: the head's (compiled) ``LeanHead.expand`` at ``spec.expand_width`` rows
-    cache: "KVCache",
-    last_hidden: torch.Tensor,  # [hidden]: head output at the root's position (predicts the root's feature)
-    root: torch.Tensor,  # [1] long: the root token
-    prefix_len: int,
-    spec: StaticTree | DynamicTree,
-) -> DraftTree:
-    """Draft a tree below ``root``; the head's committed cache (``prefix_len`` slots) is left as it was.
-
-    The head cache holds ``prefix_len`` committed positions; the root's pair (f_{L-1}, root) is the last of
-    them. A node fed to the head sits at position ``prefix_len + depth - 1`` and takes its parent's
-    predicted feature and its own token; its output is its own predicted feature, whose draft distribution
-    proposes its children. Nodes of depth d are fed in rows ``prefix_len + (d - 1) * W + row`` of the cache
-    (W = ``spec.expand_width``, padding rows see only themselves), scratch slots past the committed ones.
-    """
-    device = last_hidden.device
-    static = isinstance(spec, StaticTree)
-    width, k = spec.expand_width, spec.top_k
-    plan, plan_expand = _static_plan(spec, device) if static else (None, None)
-    hidden_rows = last_hidden.reshape(1, -1)  # [E, hidden]: predicted features of the expanded rows
-    logp, ids = head.propose(hidden_rows, k)  # [E, k]
-    expanded_score = torch.zeros(1, dtype=torch.float64, device=device)  # [E]
-    expanded_node = torch.full((1,), -1, dtype=torch.long, device=device)  # [E]: candidate index, -1 = root
-    expanded_ancestry = torch.zeros(1, 0, dtype=torch.bool, device=device)  # [E, slots fed so far]
-    tokens, scores, parents, depths = [], [], [], []
-    count = 0  # candidates so far
-    for depth in range(1, spec.depth + 1):
-        if static:
-            level = plan[depth - 1]
-        else:
-            rows = torch.arange(expanded_node.numel(), device=device)
-            level = _Level(rows.repeat_interleave(k), torch.arange(k, device=device).repeat(rows.numel()))
-        child_score = expanded_score[level.rows] + logp[level.rows, level.ranks].double()  # [n]
-        tokens.append(ids[level.rows, level.ranks])
-        scores.append(child_score)
-        parents.append(expanded_node[level.rows])
-        depths.append(torch.full_like(level.rows, depth))
-        child_nodes = torch.arange(count, count + level.rows.numel(), device=device)
-        count += level.rows.numel()
-        if depth == spec.depth:
-            break
-        chosen = plan_expand[depth - 1] if static else child_score.topk(min(k, child_score.numel())).indices
-        if chosen.numel() == 0:
-            break
-        # feed the chosen children: their parents' predicted features, their own tokens
-        e = chosen.numel()
-        parent_rows = level.rows[chosen]
-        feed_features = torch.zeros(width, hidden_rows.shape[-1], dtype=hidden_rows.dtype, device=device)
-        feed_features[:e] = hidden_rows[parent_rows]
-        feed_tokens = torch.zeros(width, dtype=torch.long, device=device)
-        feed_tokens[:e] = tokens[-1][chosen]
-        fed_before = (depth - 1) * width
-        own = torch.zeros(width, width, dtype=torch.bool, device=device)
-        own.fill_diagonal_(True)
-        ancestry_rows = torch.zeros(width, fed_before, dtype=torch.bool, device=device)
-        ancestry_rows[:e] = expanded_ancestry[parent_rows]
-        expanded_ancestry = torch.cat([ancestry_rows, own], dim=1)  # [W, fed_before + W]
-        mask = torch.cat([torch.ones(width, prefix_len, dtype=torch.bool, device=device), expanded_ancestry], dim=1)
-        slots = torch.arange(prefix_len + fed_before, prefix_len + fed_before + width, device=device)
-        positions = torch.full((1, width), prefix_len + depth - 1, dtype=torch.long, device=device)
-        hidden_rows, logp, ids = expand(feed_features[None], feed_tokens[None], positions, slots, mask[None, None], cache.keys, cache.values, k)
-        hidden_rows, logp, ids = hidden_rows[:e], logp[:e], ids[:e]
-        expanded_ancestry = expanded_ancestry[:e]
-        expanded_score = child_score[chosen]
-        expanded_node = child_nodes[chosen]
-
-    all_tokens, all_scores = torch.cat(tokens), torch.cat(scores)
-    all_parents, all_depths = torch.cat(parents), torch.cat(depths)
-    if static:
-        keep = torch.arange(all_tokens.numel(), device=device)
-    else:
-        key = all_scores - _DEPTH_TIE_BREAK * all_depths.double()
-        keep = key.topk(min(spec.total_tokens, key.numel())).indices.sort().values  # ascending = by depth
-    return _build(root, keep, all_tokens, all_parents, all_depths, all_scores)
-
-
 def _build(root: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, scores: torch.Tensor) -> DraftTree:
     """The tree of the kept candidates (ascending candidate index: by depth, siblings in rank order), with
     their parents renumbered: candidate c becomes node ``1 + position of c in keep``, the root node 0."""
@@ -433,11 +359,6 @@ def _build(root: torch.Tensor, keep: torch.Tensor, tokens: torch.Tensor, parents
     node_depths = torch.cat([torch.zeros(1, dtype=torch.long, device=device), depths[keep]])
     node_scores = torch.cat([torch.zeros(1, dtype=scores.dtype, device=device), scores[keep]])
     return DraftTree(torch.cat([root.reshape(1), tokens[keep]]), node_parents, node_depths, scores=node_scores)
-
-
-# --------------------------------------------------------------------------------------------------
-# Batched drafting (eagle.batch): the same algorithm with a leading batch dimension
-# --------------------------------------------------------------------------------------------------
 
 
 def rows_mask(prefix: torch.Tensor, sees_prefix: torch.Tensor, local: torch.Tensor, kv: int) -> torch.Tensor:
@@ -453,18 +374,26 @@ def rows_mask(prefix: torch.Tensor, sees_prefix: torch.Tensor, local: torch.Tens
 
 
 @torch.inference_mode()
-def draft_tree_rows(
+def draft_trees(
     head: "LeanHead",
-    expand_rows,  # callable: the head's ``LeanHead.expand_rows`` (eager) over ``spec.expand_width`` rows per request
-    cache: "KVCache",  # the batch's head cache: row b holds request b's ``prefix[b]`` committed positions
-    last_hidden: torch.Tensor,  # [B, hidden]
-    roots: torch.Tensor,  # [B] long
+    expand,  # callable(features [B, W, hidden], tokens [B, W], positions [B, W], slots [B, W], mask [B, 1, W, kv], k)
+    last_hidden: torch.Tensor,  # [B, hidden]: head output at each root's position (predicts the root's feature)
+    roots: torch.Tensor,  # [B] long: the root tokens
     prefix: torch.Tensor,  # [B] long: committed head positions of each row
     spec: StaticTree | DynamicTree,
 ) -> list[DraftTree]:
-    """``draft_tree`` for B >= 2 requests at once: one head call per depth over ``[B, W]`` rows, each row's
-    scratch slots right after its own prefix. Row b's tree is the tree ``draft_tree`` drafts for request b
-    alone (same candidates, same scores, same reranking; tested in tests/test_batch.py)."""
+    """Draft one tree below each of B roots (B >= 1); the heads' committed caches are left as they were.
+
+    ``expand`` is one draft step of the head over ``W = spec.expand_width`` nodes per row, writing their keys
+    and values into the head's cache (``LeanHead.expand_rows`` over the batch's cache, or the compiled
+    single-row ``LeanHead.expand`` for a batch of one: ``eagle.batch``). Row b's cache holds ``prefix[b]``
+    committed positions; the root's pair (f_{L-1}, root) is the last of them. A node fed to the head sits at
+    position ``prefix[b] + depth - 1`` and takes its parent's predicted feature and its own token; its
+    output is its own predicted feature, whose draft distribution proposes its children. Nodes of depth d
+    are fed in slots ``prefix[b] + (d - 1) * W + i`` (padding nodes see only themselves), scratch slots past
+    the committed ones. Per depth: one head call for every row, then tensor ops choose the next nodes,
+    build their masks and rerank; nothing is read back to the host until the trees are built.
+    """
     device = last_hidden.device
     batch = roots.numel()
     static = isinstance(spec, StaticTree)
@@ -517,7 +446,7 @@ def draft_tree_rows(
         mask = rows_mask(prefix, sees, expanded_ancestry, kv)
         slots = prefix[:, None] + fed_before + torch.arange(width, device=device)[None]
         positions = (prefix + depth - 1)[:, None].expand(batch, width).contiguous()
-        hidden_rows, logp, ids = expand_rows(feed_features, feed_tokens, positions, slots, mask[:, None], cache.keys, cache.values, k)
+        hidden_rows, logp, ids = expand(feed_features, feed_tokens, positions, slots, mask[:, None], k)
         hidden_rows, logp, ids = hidden_rows[:, :e], logp[:, :e], ids[:, :e]
         expanded_ancestry = expanded_ancestry[:, :e]
         expanded_score = child_score.gather(1, chosen)

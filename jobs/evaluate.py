@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from eagle.errors import EagleError
 from eagle.compile import COMPILE_MODES
+from eagle.policy import SPECULATE_MODES
 from eagle.tree import TREE_KINDS
 from jobs.common import init_ray, job_parser, run_job, worker_env
 from jobs.presets import get_preset
@@ -53,7 +54,7 @@ def _bench(settings: dict[str, Any]) -> dict[str, Any]:
     return run_bench(
         target, head, prompts, max_new_tokens=settings["max_new_tokens"], sampling=SamplingConfig(temperature=settings["temperature"]),
         tree=build_tree(settings["tree"]), baselines=settings["baselines"], seed=settings["seed"], progress=True, head_label=settings["head_label"],
-        compile=settings["compile"],
+        compile=settings["compile"], speculate=settings.get("speculate", "auto"),
     )
 
 
@@ -107,6 +108,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
         "temperature": preset.eval.temperature if args.temperature is None else args.temperature,
         "baselines": [b for b in (args.baselines or "").split(",") if b],
         "seed": args.seed,
+        "speculate": args.speculate,
         "device": "cuda" if args.gpu or preset.eval.use_gpu else "cpu",  # the task reserves the GPU it runs on
     }
     init_ray()
@@ -159,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--baselines", default="", help="comma-separated: hf,prompt-lookup (default none)")
     parser.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (T > 0; default 0)")
     parser.add_argument("--promote-tau", type=float, default=None, help="promote to production when tau >= this")
+    parser.add_argument("--speculate", choices=list(SPECULATE_MODES), default="auto",
+                        help="auto (default): EAGLE drafts where this machine's measured costs say it pays, as served; "
+                             "always: every step drafts (the head's acceptance on every step, as a gate measures it)")
     parser.add_argument("--gpu", action="store_true", help="run the bench task on one GPU (it reserves it; target and head load there)")
     parser.add_argument("--out", default=None, help="where to write bench.json (+ .md, .png)")
     return parser

@@ -145,7 +145,7 @@ class PairSpec(BaseModel):
     max_batch_size: int = Field(8, ge=1)
     batch_graphs: tuple[int, ...] = ()
     max_context: int = Field(2048, ge=2)
-    speculate: Literal["auto", "always", "never"] = "auto"  # eagle.batch.SPECULATE_MODES
+    speculate: Literal["auto", "always", "never"] = "auto"  # eagle.policy.SPECULATE_MODES
     stuck_after_s: float = Field(120.0, gt=0)
     stream_interval_s: float = Field(0.0, ge=0, le=1.0)
     stream_chunks_per_s: float | None = Field(None, gt=0)
@@ -657,7 +657,7 @@ class PairServer:
             # tokenised off the event loop: a long prompt must not stall the other requests' streams
             prompt_ids = await asyncio.to_thread(self._prompt_ids, request)
             config = self._config(request, len(prompt_ids), loaded.engine)
-            stop_ids = loaded.decoder._stop_ids(config)
+            stop_ids = loaded.decoder.stop_ids(config)
             resume = self._resume(request, config, stop_ids)
             queued, queue = self._submit(loaded, prompt_ids, resume, request) if resume.config else (None, None)
         except RequestError:

@@ -25,11 +25,12 @@ import pytest
 import torch
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
-from eagle.batch import BatchDecoder, SpeculationPolicy, step_seed
+from eagle.batch import BatchDecoder, step_seed
+from eagle.policy import SpeculationPolicy
 from eagle.errors import EagleError
-from eagle.tree import HybridTree, build_tree, draft_tree
+from eagle.tree import HybridTree, build_tree
 from eagle.verify import SamplingConfig
-from heads import good_head
+from heads import good_head, wrong_head
 from tiny import tiny_target
 from test_lossless_sampling import (  # noqa: F401 - _one_thread: that module's autouse one-thread fixture, used here too
     PROMPT, TOKENS, RUNS, VOCAB, T1, DEEP_DYNAMIC, _head, _one_thread, _target, assert_matches, joint_for, joint_index, restricted,
@@ -211,7 +212,8 @@ def test_the_head_consumes_a_prompt_only_when_its_row_first_drafts():
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
 @pytest.mark.parametrize("spec", [DynamicTree(depth=4, top_k=3, total_tokens=10), StaticTree(paths=((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))])
 def test_batched_drafting_drafts_each_rows_single_request_tree(spec, vocab):
-    """Also for a head with a reduced draft vocabulary (the even tokens: d2t maps draft ids to target ids):
+    """Rows drafted together draft the trees each request drafts alone (batch 1 runs the single-row
+    functions, compiled where the decoder compiles). Also for a head with a reduced draft vocabulary (the even tokens: d2t maps draft ids to target ids):
     with test_sampled_and_greedy_rows_verified_together_stay_lossless, which samples through batched
     drafting, this carries the T > 0 check of such heads over to single-request drafting."""
     target = _greedy_target()
@@ -221,12 +223,13 @@ def test_batched_drafting_drafts_each_rows_single_request_tree(spec, vocab):
     for prompt in _prompts(3, 11):
         engine.submit(prompt, GenerationConfig(max_new_tokens=50, stop_token_ids=[]))
     engine.step()  # admit all three and take one step, so rows sit at different lengths
-    with torch.inference_mode():
-        engine._catch_up()
-        rows = engine.rows
-        batched = engine._draft(rows)
-        singles = [draft_tree(engine.heads.lean, engine.heads.expand(spec.expand_width), engine.head_cache.row(index),
-                              row.last_hidden, torch.tensor([row.root]), row.committed, spec) for index, row in enumerate(rows)]
+    batched = engine.draft()
+    singles = []
+    for row in engine.rows:  # each request alone: a batch of one resumed at the same tokens
+        alone = BatchDecoder(decoder, max_batch=1, max_context=128)
+        alone.submit(row.request.prompt_ids, row.request.config, generated=row.request.token_ids)
+        alone.admit()
+        singles += alone.draft()
     for tree, single in zip(batched, singles):
         assert tree.tokens.tolist() == single.tokens.tolist()
         assert tree.parents.tolist() == single.parents.tolist()
@@ -623,3 +626,49 @@ def test_batch_graphs_are_checked():
     for bad in ((1,), (5,), (2, 8)):
         with pytest.raises(EagleError, match=r"2\.\.4"):
             BatchDecoder(compiled, max_batch=4, graphs=bad)
+
+
+# ---- batch 1 is a batch of one: the same policy decides whether a single request drafts -------------------------
+
+
+@pytest.mark.parametrize("kind", ["wrong", "good"])
+def test_a_single_request_drafts_only_with_a_head_that_pays(kind):
+    """``Decoder`` runs each request as a batch of one under the decoder's ``SpeculationPolicy``, which
+    persists across its requests: with costs where drafting pays from tau 1.5 on, a head that predicts the
+    target drafts in most steps (not on a prompt where it accepts nothing), and a head that never does falls
+    back to plain decoding after a few steps (asserted on the policy's own counts). Either way the output is
+    plain decoding's."""
+    target = _greedy_target()
+    head = good_head(target) if kind == "good" else wrong_head(target)
+    decoder = Decoder(target, head, TREES["dynamic"])
+    decoder.policy = SpeculationPolicy({1: 10.0}, {1: 15.0}, prior_tau=2.0, explore_every=16)
+    config = GenerationConfig(max_new_tokens=60, stop_token_ids=[])
+    for prompt in _prompts(4, 21):
+        result = decoder.generate(prompt, config)
+        assert result.token_ids == _plain(target, prompt, config)
+        assert all(step.policy in ("draft", "explore", "plain") for step in result.steps)
+        assert all((step.tree_size > 0) == (step.policy != "plain") for step in result.steps)
+    decisions = decoder.policy.decisions
+    drafted = decisions["draft"] + decisions["explore"]
+    if kind == "good":
+        assert decisions["draft"] > decisions["plain"], decisions  # it stops on prompts it predicts badly, too
+        assert decoder.policy.tau > 1.5
+    else:
+        assert decisions["plain"] > 3 * drafted, decisions
+        assert decoder.policy.tau < 1.5
+
+
+def test_warmup_measures_the_single_request_costs_the_policy_decides_by():
+    target = _greedy_target()
+    decoder = Decoder(target, good_head(target), TREES["dynamic"])
+    assert decoder.policy.break_even(1) == 1.0  # unmeasured: drafts every step
+    decoder.warmup()
+    report = decoder.policy.report()
+    assert report["mode"] == "auto" and report["plain_ms"][1] > 0 and report["speculative_ms"][1] > 0
+    assert decoder.policy.break_even(1) == pytest.approx(report["speculative_ms"][1] / report["plain_ms"][1], rel=1e-2)
+    always = Decoder(target, good_head(target), TREES["dynamic"], speculate="always")
+    always.warmup()
+    result = always.generate(_prompts(1, 3)[0], GenerationConfig(max_new_tokens=20, stop_token_ids=[]))
+    assert all(step.policy == "draft" and step.tree_size > 0 for step in result.steps)
+    with pytest.raises(EagleError, match="speculate must be one of"):
+        Decoder(target, None, speculate="sometimes")

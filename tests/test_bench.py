@@ -42,7 +42,7 @@ def greedy_report():
         BenchPrompt("b", None, None, [4, 2, 6, 1, 3, 7]),
     ]
     return run_bench(target, head, prompts, max_new_tokens=12, sampling=GREEDY, tree=DynamicTree(depth=3, top_k=2,
-                     total_tokens=6), progress=False, head_label="trained")
+                     total_tokens=6), progress=False, head_label="trained", speculate="always")
 
 
 def _check_timing(entry):
@@ -58,6 +58,8 @@ def test_greedy_report_fields_are_consistent(greedy_report):
     assert config["tree"]["type"] == "DynamicTree" and config["tree"]["depth"] == 3
     assert config["sampling"]["temperature"] == 0.0 and config["max_new_tokens"] == 12
     assert {"torch", "threads", "machine", "date", "target_revision"} <= set(config)
+    assert config["speculate"] == "always" and config["policy"]["decisions"]["plain"] == 0
+    assert report["aggregate"]["drafted_share"] == 1.0 and all(r["drafted_share"] == 1.0 for r in report["prompts"])
 
     assert len(report["prompts"]) == 2
     for record in report["prompts"]:

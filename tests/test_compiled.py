@@ -70,7 +70,7 @@ def test_compiled_greedy_equals_plain_decoding(arch, tree, head, tmp_path, monke
     monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path))  # the auto tree's cost cache
     target = _target(arch)
     plain = Decoder(target, None, compile=TINY)
-    eagle = Decoder(target, _head(arch, head), TREES[tree], compile=TINY)
+    eagle = Decoder(target, _head(arch, head), TREES[tree], compile=TINY, speculate="always")  # every step drafts
     compiled = {**plain.warmup(), **eagle.warmup()}
     assert compiled and all(seconds > 0 for seconds in compiled.values())
     reference = Decoder(target, None)  # eager
@@ -151,7 +151,7 @@ def test_smollm2_compiled_greedy_equals_plain(smollm2):
     the hybrid tree, whose steps use both verification widths (with and without an n-gram branch)."""
     config = CompileConfig(mode="on", autotune=False)  # autotuned SmolLM2 graphs take minutes each on 2 cores
     plain = Decoder(smollm2, None, compile=config)
-    eagle = Decoder(smollm2, EagleHead.for_target(smollm2, seed=0), HybridTree(), compile=config)
+    eagle = Decoder(smollm2, EagleHead.for_target(smollm2, seed=0), HybridTree(), compile=config, speculate="always")
     plain.warmup(), eagle.warmup()
     taus = []
     for text in ("Write a haiku about the sea.", "Repeat after me: the cat sat on the mat. The cat sat on the mat. The cat"):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from eagle import Decoder, DynamicTree, EagleError, EagleHead, GenerationConfig, StaticTree
+from eagle.batch import BatchDecoder
 from eagle.head import draft_vocab_from_counts
 from tiny import tiny_target
 
@@ -28,7 +29,9 @@ def test_reduced_vocab_head_drafts_inside_its_vocabulary_and_matches_plain(tree)
     assert head.t2d.sum() == 16 and head.draft_to_target(torch.arange(16)).tolist() == vocab.tolist()
 
     decoder = Decoder(target, head, tree)
-    state = decoder._prefill(prompt, config.sampling, None)
-    drafted = decoder._draft(state)
+    engine = BatchDecoder(decoder, max_batch=1, max_context=64)
+    engine.submit(prompt, config)
+    engine.admit()
+    drafted, = engine.draft()
     assert set(drafted.tokens[1:].tolist()) <= set(vocab.tolist())
     assert decoder.generate(prompt, config).token_ids == plain.token_ids

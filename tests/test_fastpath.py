@@ -166,9 +166,10 @@ def test_a_request_allocates_its_caches_once_and_leaves_them_sized_for_its_budge
     allocated = []
     original = decoder.runtime.new_cache
 
-    def spy(capacity):
+    def spy(capacity, rows=1):
+        assert rows == 1  # a request runs as a batch of one
         allocated.append(capacity)
-        return original(capacity)
+        return original(capacity, rows)
 
     decoder.runtime.new_cache = spy
     result = decoder.generate([1, 2, 3, 4], GenerationConfig(max_new_tokens=60, stop_token_ids=[]))

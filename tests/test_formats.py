@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig
+from eagle.batch import BatchDecoder
 from eagle.formats import HeadFormatError, export_head
 from eagle.loss import LossConfig, eagle_loss
 from eagle.target import Target
@@ -43,8 +44,10 @@ def _trained_like(target, **layout) -> EagleHead:
 
 def _drafts(target, head) -> tuple[list[int], list[int], list[int]]:
     decoder = Decoder(target, head, DynamicTree(depth=4, top_k=3, total_tokens=12))
-    state = decoder._prefill(PROMPT, GenerationConfig().sampling, None)
-    tree = decoder._draft(state)
+    engine = BatchDecoder(decoder, max_batch=1, max_context=64)
+    engine.submit(PROMPT, GenerationConfig(max_new_tokens=16))
+    engine.admit()
+    tree, = engine.draft()
     output = decoder.generate(PROMPT, GenerationConfig(max_new_tokens=24, stop_token_ids=[]))
     return tree.tokens.tolist(), tree.parents.tolist(), output.token_ids
 

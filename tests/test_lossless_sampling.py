@@ -31,7 +31,7 @@ import pytest
 import torch
 from scipy import stats
 
-import eagle.generate
+import eagle.batch
 import eagle.verify
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
 from eagle.compile import CompileConfig
@@ -217,13 +217,14 @@ def joint_index(token_ids: list[int]) -> int:
 
 
 def sample_runs(decoder: Decoder, sampling: SamplingConfig, runs: int = RUNS) -> tuple[np.ndarray, list[int]]:
-    """Counts ``[V**TOKENS]`` of the first TOKENS tokens over ``runs`` seeded generations, and every step's
+    """Counts ``[V**TOKENS]`` of the first TOKENS tokens over ``runs`` generations, each drawing from its own
+    seeded generator (a request with a generator drafts; one with only a seed would not), and every step's
     accepted-token count."""
     counts = np.zeros(VOCAB**TOKENS, dtype=np.int64)
     accepted: list[int] = []
+    config = GenerationConfig(max_new_tokens=TOKENS, sampling=sampling, stop_token_ids=[])
     for seed in range(runs):
-        config = GenerationConfig(max_new_tokens=TOKENS, sampling=sampling, stop_token_ids=[], seed=seed)
-        result = decoder.generate(PROMPT, config)
+        result = decoder.generate(PROMPT, config, torch.Generator().manual_seed(seed))
         assert len(result.token_ids) == TOKENS
         counts[joint_index(result.token_ids)] += 1
         accepted.extend(step.accepted for step in result.steps)
@@ -266,7 +267,7 @@ CONFIGS = [
 
 @pytest.mark.parametrize("head, tree, sampling, compile", CONFIGS)
 def test_eagle_sampling_matches_the_exact_joint(head: str, tree, sampling: SamplingConfig, compile: str) -> None:
-    decoder = Decoder(_target(), _head(head), tree, compile=COMPILED if compile == "on" else "off")
+    decoder = Decoder(_target(), _head(head), tree, compile=COMPILED if compile == "on" else "off", speculate="always")
     decoder.warmup()
     counts, accepted = sample_runs(decoder, sampling)
     assert_matches(counts, joint_for(sampling), f"{head} head, {tree}, {sampling}, compile {compile}")
@@ -288,10 +289,10 @@ def test_verification_processes_only_the_rows_it_reads(monkeypatch: pytest.Monke
         rows_per_step.append((probs.computed, len(acceptance.path)))
         return acceptance
 
-    monkeypatch.setattr(eagle.generate, "sample_verify", counting)
+    monkeypatch.setattr(eagle.batch, "sample_verify", counting)
     decoder = Decoder(_target(), _head("good"), DEEP_DYNAMIC)
     for seed in range(50):
-        decoder.generate(PROMPT, GenerationConfig(max_new_tokens=12, sampling=T1, stop_token_ids=[], seed=seed))
+        decoder.generate(PROMPT, GenerationConfig(max_new_tokens=12, sampling=T1, stop_token_ids=[]), torch.Generator().manual_seed(seed))
     assert rows_per_step and all(computed == accepted + 1 for computed, accepted in rows_per_step)
     assert max(a for _, a in rows_per_step) >= 2  # deep paths happened, and still only their rows were computed
 
@@ -347,6 +348,6 @@ def _verify_without_residual(tree: DraftTree, probs, generator) -> Acceptance:
 @pytest.mark.nightly  # 10,000 sampled runs, ~1-2 minutes on 2 cores
 def test_statistics_reject_a_verifier_that_skips_the_residual(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run through the engine; a quarter of the sample size already suffices."""
-    monkeypatch.setattr(eagle.generate, "sample_verify", _verify_without_residual)
+    monkeypatch.setattr(eagle.batch, "sample_verify", _verify_without_residual)
     counts, _ = sample_runs(Decoder(_target(), _head("good"), SMALL_STATIC), T1, RUNS // 4)
     assert_rejected(counts, joint_for(T1), "a verifier without the residual")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
+from eagle.batch import BatchDecoder
 from eagle.errors import EagleError
 from eagle.model import LeanModel
 from eagle.tree import MC_SIM_7B_63, padded_mask, AutoTree, DraftTree, HybridTree, build_tree, causal_allowed, causal_mask
@@ -121,34 +122,29 @@ def test_decode_loop_keeps_both_caches_equal_to_fresh_prefills(tree_spec, layout
     target = tiny_target("llama", logit_scale=4.0)
     head = EagleHead.for_target(target, seed=2, **layout)
     decoder = Decoder(target, head, tree_spec)
-    config = GenerationConfig(max_new_tokens=40, stop_token_ids=[])
+    engine = BatchDecoder(decoder, max_batch=1, max_context=128, speculate="always")
     prompt = PROMPT + PROMPT[:4]  # a repeat, so a hybrid tree finds an n-gram branch
-    state = decoder._prefill(prompt, config.sampling, None, capacity=192)
-    committed = list(prompt)
+    engine.submit(prompt, GenerationConfig(max_new_tokens=40, stop_token_ids=[]))
     for _ in range(6):
-        tree = decoder._draft(state)
-        keep, kept_features, new_tokens = decoder._verify(state, tree, config.sampling, None)
-        start = state.committed
-        committed += [state.root] + new_tokens[:-1]
-        state.committed += len(keep)
-        state.root = new_tokens[-1]
-        state.context.extend(new_tokens)
-        decoder._advance_head(state, start, kept_features, new_tokens)
-
+        engine.step()
+        engine.draft()  # the head catches up on the step's accepted tokens (drafting writes scratch slots only)
+        row = engine.rows[0]
+        committed, root = row.context[:-1], row.root
         n = len(committed)
-        assert state.committed == n
+        assert row.committed == row.head_committed == n
+        assert row.context[: len(prompt)] == prompt
         fresh = decoder.runtime.new_cache(192)
         _, features = decoder.runtime.prefill(torch.tensor(committed), fresh)  # the head input
-        for got, want in zip(state.target_cache.keys + state.target_cache.values, fresh.keys + fresh.values):
+        for got, want in zip(engine.cache.keys + engine.cache.values, fresh.keys + fresh.values):
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-9, atol=1e-9)
         head_cache = decoder.head_runtime.new_cache(192)
-        hidden = decoder.head_runtime.prefill(features, torch.tensor(committed[1:] + [state.root]), head_cache)
-        for got, want in zip(state.head_cache.keys + state.head_cache.values, head_cache.keys + head_cache.values):
+        hidden = decoder.head_runtime.prefill(features, torch.tensor(committed[1:] + [root]), head_cache)
+        for got, want in zip(engine.head_cache.keys + engine.head_cache.values, head_cache.keys + head_cache.values):
             torch.testing.assert_close(got[:, :, :n], want[:, :, :n], rtol=1e-8, atol=1e-8)
-        torch.testing.assert_close(state.last_hidden, hidden[-1], rtol=1e-8, atol=1e-8)
+        torch.testing.assert_close(row.last_hidden, hidden[-1], rtol=1e-8, atol=1e-8)
         # and the lean head equals the training-time head (transformers' layer, a DynamicCache)
         with torch.no_grad():
-            reference = head(features[None], torch.tensor([committed[1:] + [state.root]]), head.new_cache(), torch.arange(n)[None], causal_mask(n, 0, target.dtype))
+            reference = head(features[None], torch.tensor([committed[1:] + [root]]), head.new_cache(), torch.arange(n)[None], causal_mask(n, 0, target.dtype))
         torch.testing.assert_close(hidden, reference[0], rtol=1e-9, atol=1e-9)
 
 
@@ -229,11 +225,13 @@ def _reference_tree(head, last_hidden, root, prefix_features, prefix_tokens, spe
 def test_vectorised_drafting_equals_the_node_by_node_reference(model_type, spec, kind):
     target = tiny_target(model_type, logit_scale=3.0)
     head = EagleHead.for_target(target, seed=1, kind=kind)
-    decoder = Decoder(target, head, spec)
-    state = decoder._prefill(PROMPT, GenerationConfig().sampling, None)
-    tree = decoder._draft(state)
-    _, features = decoder.runtime.prefill(torch.tensor(PROMPT), decoder.runtime.new_cache(64))  # the head input
-    tokens, parents, depths = _reference_tree(head, state.last_hidden, state.root, features, PROMPT[1:] + [state.root], spec)
+    engine = BatchDecoder(Decoder(target, head, spec), max_batch=1, max_context=64)
+    engine.submit(PROMPT, GenerationConfig(max_new_tokens=16))
+    engine.admit()
+    tree, = engine.draft()
+    row = engine.rows[0]
+    _, features = engine.runtime.prefill(torch.tensor(PROMPT), engine.runtime.new_cache(64))  # the head input
+    tokens, parents, depths = _reference_tree(head, row.last_hidden, row.root, features, PROMPT[1:] + [row.root], spec)
     assert tree.tokens.tolist() == tokens
     assert tree.parents.tolist() == parents
     assert tree.depths.tolist() == depths

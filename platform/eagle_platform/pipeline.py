@@ -20,8 +20,9 @@ directly, not through the service) is adopted: its artifacts are downloaded as t
 Scheduling: at most one pipeline per target at a time, and at most ``max_concurrent`` across targets;
 versions beyond that wait in ``registered`` (the queue), oldest first.
 
-The gate (after ``evaluating``): the evaluation runs the target and head in fp32 at temperature 0 on the
-preset's held-out prompts; the version is ``ready`` when tau >= the target's gate and every output equals
+The gate (after ``evaluating``): the evaluation runs the target and head in fp32 at temperature 0, drafting
+every step (``--speculate always``: the gate measures the head, not this machine's costs), on the preset's
+held-out prompts; the version is ``ready`` when tau >= the target's gate and every output equals
 plain decoding, and then alias ``production`` of ``<target>-eagle`` moves to its head. Otherwise the version
 is ``failed`` with the reason, and ``production`` stays where it was. Each promotion stamps the head
 version with ``eagle.promoted_ms``; ``rollback`` moves ``production`` to the head promoted before it.
@@ -446,7 +447,8 @@ class Reconciler:
         elif state == "training":
             args += ["--run-name", self._run_name(name, version)]
         elif state == "evaluating":
-            args += ["--head", f"models:/{head_model_name(name)}/{pipeline['head_version']}", "--dtype", "float32", "--temperature", "0"]
+            args += ["--head", f"models:/{head_model_name(name)}/{pipeline['head_version']}", "--dtype", "float32", "--temperature", "0",
+                     "--speculate", "always"]  # the gate measures the head's acceptance, not this machine's costs
             for flag, value in (("--prompts", self.settings.eval_prompts), ("--max-new-tokens", self.settings.eval_max_new_tokens),
                                 ("--compile", self.settings.eval_compile)):
                 if value is not None:
