@@ -241,7 +241,7 @@ class BatchDecoder:
             if self.heads is not None and all(speculative[b] <= most_per_step * plain[b] for b in speculative):
                 speculative[batch] = self._time_step(batch, True, repeats)
         return SpeculationPolicy(plain, speculative, mode=self.speculate, prior_tau=self.policy.tau,
-                                 explore_every=self.policy.explore_every, explore_backoff=self.policy.explore_backoff)
+                                 explore_every=self.policy.explore_every, explore_backoff=self.policy.explore_backoff, live=True)
 
     def _time_step(self, batch: int, speculative: bool, repeats: int) -> float:
         """Milliseconds of one synthetic step of ``batch`` rows at a 128-token context (the median of
@@ -487,8 +487,9 @@ class BatchDecoder:
         speculative = decision != "plain"
         for row in rows:
             self._reseed(row)
+        backlog_s = 0.0
         if speculative:
-            self._catch_up()
+            backlog_s = self._catch_up()
             trees = [self._root_only(row) if _seeded_sampling(row.request) else tree for row, tree in zip(rows, self._draft(rows))]
         else:
             trees = [self._root_only(row) for row in rows]
@@ -525,22 +526,26 @@ class BatchDecoder:
         drafting_rows = sum(1 for tree in trees if len(tree) > 1)
         if drafting_rows:
             self.policy.observe((accepted_total - (batch - drafting_rows)) / drafting_rows)
+        self.policy.observe_step(batch, speculative, (time.perf_counter() - started - backlog_s) * 1e3)
         return events
 
-    def _catch_up(self) -> None:
+    def _catch_up(self) -> float:
         """The head consumes every row's pending (feature, next token) pairs: first each row with more of
         them than the compiled catch-up width takes (a newly admitted prompt, many plain steps) on its own,
-        eagerly; then the rest in one batched forward."""
+        eagerly; then the rest in one batched forward. Returns the seconds the first part took: a backlog
+        paid once, not a cost of every speculative step (the policy leaves it out of the step times)."""
         width = self.decoder._widths()["advance"][0]
         rows = self.rows
+        started = time.perf_counter()
         for index, row in enumerate(rows):
             if row.pending > width:
                 features = torch.cat(row.pending_features)
                 tokens = torch.tensor(row.pending_tokens, device=self.target.device)
                 row.last_hidden = self.heads.prefill(features, tokens, self.head_cache.row(index), start=row.head_committed)[-1]
                 self._consumed(row)
+        backlog_s = time.perf_counter() - started
         if not any(row.pending for row in rows):
-            return
+            return backlog_s
         device = self.target.device
         batch = len(rows)
         features = torch.zeros(batch, width, self.heads.lean.input_size, dtype=next(r for r in rows if r.pending).pending_features[0].dtype, device=device)
@@ -567,6 +572,7 @@ class BatchDecoder:
             if row.pending:
                 row.last_hidden = hidden[b, row.pending - 1]
                 self._consumed(row)
+        return backlog_s
 
     @staticmethod
     def _consumed(row: _Row) -> None:

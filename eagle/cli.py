@@ -48,7 +48,10 @@ def _add_model_args(parser: argparse.ArgumentParser, head_default: str) -> None:
         help="head directory, a registry URI such as models:/<name>@<alias> (resolved by an installed "
         "eagle.head_resolvers plug-in), 'random' (untrained, fixed seed) or 'none' (plain decoding)",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        help="auto (default): bfloat16 on a GPU or a CPU that computes it natively (AMX, AVX512-BF16), else float32",
+    )
     _add_device_arg(parser)
     parser.add_argument(
         "--tree", default="dynamic", choices=list(TREE_KINDS),
@@ -189,7 +192,9 @@ def _load(args):
     head_dir = None if args.head in ("none", "random") else resolve_head_spec(args.head)  # fail before the load
     if head_dir is not None:
         weights_files(head_dir)  # a directory without safetensors weights fails before the target loads
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    from eagle.runtime import preferred_dtype
+
+    target = load_target(args.target, dtype=preferred_dtype(args.dtype, gpu=args.device != "cpu"), device=args.device)
     if args.head == "none":
         head = None
     elif args.head == "random":

@@ -33,10 +33,20 @@ class SpeculationPolicy:
     less and less (at a fixed interval the EAGLE pair ran 4-9 % behind the target alone at 4-16 clients,
     docs/benchmarks.md section 7); a step that drafts for real resets it.
     Verification becomes compute-bound as the batch grows, so the break-even rises with B: the draft
-    budget shrinks to nothing at the batch sizes where plain batched decoding is faster."""
+    budget shrinks to nothing at the batch sizes where plain batched decoding is faster.
+
+    ``live``: the start-up costs are synthetic steps (the forwards alone); a real step also pays for
+    acceptance, compaction, detokenising and the loop's Python, which the synthetic ones leave out (on the
+    AMX Xeon about 6 ms of a 21 ms plain token, docs/benchmarks.md section 6). A live policy corrects each
+    kind's cost by the ratio of the step times it observes (``observe_step``) to the modelled ones (an
+    exponential moving average per kind; drafting that was never observed takes plain decoding's ratio;
+    the head's catch-up over a backlog of plain steps is paid once and left out), so the break-even it
+    decides by is the one the requests actually see. ``BatchDecoder.measure`` makes
+    live policies; a policy built by hand (tests) keeps its given costs."""
 
     def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",
-                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32, explore_backoff: int = 8) -> None:
+                 prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32, explore_backoff: int = 8,
+                 live: bool = False) -> None:
         if mode not in SPECULATE_MODES:
             raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
         self.plain_ms = dict(sorted(plain_ms.items()))
@@ -49,6 +59,8 @@ class SpeculationPolicy:
         self._explore_scale = 1  # doubles after each exploration while drafting stays behind, up to explore_backoff
         self._since_draft = 0
         self.decisions = {"draft": 0, "plain": 0, "explore": 0}
+        self.live = live
+        self._ratio: dict[str, float | None] = {"plain": None, "speculative": None}  # observed / modelled step time
 
     @staticmethod
     def _at(costs: dict[int, float], batch: int) -> float:
@@ -63,11 +75,25 @@ class SpeculationPolicy:
         low, high = sizes[-2], sizes[-1]  # extrapolate linearly
         return costs[high] + (costs[high] - costs[low]) * (batch - high) / (high - low)
 
+    def _ratio_of(self, kind: str) -> float:
+        return self._ratio[kind] or self._ratio["plain"] or 1.0
+
     def break_even(self, batch: int) -> float:
         """The tau at which drafting and plain decoding produce tokens equally fast at this batch size."""
         if not self.speculative_ms or not self.plain_ms:  # nothing to draft with (the target alone)
             return float("inf")
-        return self._at(self.speculative_ms, batch) / self._at(self.plain_ms, batch)
+        speculative = self._at(self.speculative_ms, batch) * self._ratio_of("speculative")
+        return speculative / (self._at(self.plain_ms, batch) * self._ratio_of("plain"))
+
+    def observe_step(self, batch: int, speculative: bool, ms: float) -> None:
+        """A real step of ``batch`` rows took ``ms`` (drafting or not): a live policy corrects that kind's cost."""
+        costs = self.speculative_ms if speculative else self.plain_ms
+        if not self.live or not costs or ms <= 0:
+            return
+        kind = "speculative" if speculative else "plain"
+        ratio = ms / self._at(costs, batch)
+        old = self._ratio[kind]
+        self._ratio[kind] = ratio if old is None else old + self.smoothing * (ratio - old)
 
     def explore_interval(self, batch: int) -> int:
         """Steps from one exploring step to the next while plain decoding wins at this batch size (none while
@@ -101,6 +127,7 @@ class SpeculationPolicy:
         return {
             "mode": self.mode, "tau_estimate": round(self.tau, 3), "decisions": dict(self.decisions),
             "explore_scale": self._explore_scale,
+            "live_ratio": {kind: None if r is None else round(r, 3) for kind, r in self._ratio.items()} if self.live else None,
             "plain_ms": {b: finite(v) for b, v in self.plain_ms.items()},
             "speculative_ms": {b: finite(v) for b, v in self.speculative_ms.items()},
             "break_even_tau": {b: finite(self.break_even(b)) for b in self.plain_ms},

@@ -672,3 +672,20 @@ def test_warmup_measures_the_single_request_costs_the_policy_decides_by():
     assert all(step.policy == "draft" and step.tree_size > 0 for step in result.steps)
     with pytest.raises(EagleError, match="speculate must be one of"):
         Decoder(target, None, speculate="sometimes")
+
+
+def test_a_live_policy_decides_by_the_step_times_it_observes():
+    """Start-up costs are synthetic forwards; a live policy (what ``measure`` builds) corrects each kind by the
+    step times it sees, so host work a real speculative step pays moves its break-even."""
+    policy = SpeculationPolicy({1: 10.0}, {1: 20.0}, prior_tau=2.5, live=True)
+    assert policy.break_even(1) == 2.0 and policy.choose(1) == "draft"
+    policy.observe_step(1, False, 15.0)  # drafting not seen yet: it takes plain decoding's correction
+    assert policy.break_even(1) == pytest.approx(2.0)
+    for _ in range(40):
+        policy.observe_step(1, True, 60.0)  # a real speculative step costs twice the modelled plain-corrected one
+    assert policy.break_even(1) == pytest.approx(4.0, rel=0.02)
+    assert policy.choose(1) == "plain"
+    assert policy.report()["live_ratio"] == {"plain": 1.5, "speculative": pytest.approx(3.0, rel=0.02)}
+    by_hand = SpeculationPolicy({1: 10.0}, {1: 20.0})
+    by_hand.observe_step(1, True, 60.0)
+    assert by_hand.break_even(1) == 2.0 and by_hand.report()["live_ratio"] is None
