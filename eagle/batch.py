@@ -1,6 +1,7 @@
-"""Continuous batching: every live request of a replica advances by one step per target forward.
+"""The decode loop, for one request or many: every live request advances by one step per target forward.
 
-``BatchDecoder`` runs the decode loop of ``eagle.generate.Decoder`` for many requests at once. Requests
+``BatchDecoder`` is the one decode loop: ``eagle.generate.Decoder`` runs each request as a batch of one on
+it, a Serve replica runs all of its requests on one (continuous batching). Requests
 join (prefill, then the next step) and leave (a stop token, their ``max_new_tokens``, a cancel) between
 steps. Each request keeps its own tree (its own tokens, its own accepted length), its own sampling
 settings, seed and stop rules; a step is
@@ -11,7 +12,7 @@ settings, seed and stop rules; a step is
    admitted row's prompt is among them: its prefill runs the target alone, and the head consumes the
    prompt at the row's first speculative step, so a request the policy never drafts for never runs the
    head;
-3. *draft*: one batched tree per row (``eagle.tree.draft_tree_rows``: one head call per depth for all rows),
+3. *draft*: one batched tree per row (``eagle.tree.draft_trees``: one head call per depth for all rows),
    or only the root when the policy says no;
 4. *verify*: one target forward over ``[B, W]`` tokens, row b's tree in row b, under a per-row tree mask
    over the batched KV cache (``KVCache`` with one row per request: padded static slots, each row at its
@@ -40,9 +41,10 @@ resumed from the tokens already sent continues as the uninterrupted run would (`
 Greedy requests are deterministic whatever they draft; unseeded sampling draws from streams seeded by
 torch's global generator.
 
-Owns: ``BatchDecoder``, ``BatchRequest``, ``SpeculationPolicy``, ``step_seed``.
-Does not own: the single-request loop (``generate.py``, whose pieces it reuses: runtimes, trees, stop
-rules, request checks), HTTP or threads (``serve.pair`` drives ``step``).
+Owns: ``BatchDecoder`` (the loop, its warm-up and the measurement of the policy's costs), ``BatchRequest``,
+``step_seed``. Does not own: the policy's rule (``eagle.policy``), the decoder's functions, tree, widths
+and request checks (``generate.Decoder``), the request and output types (``eagle.request``), HTTP or
+threads (``serve.pair`` drives ``step``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ Statistics (EAGLE, arXiv 2401.15077, section 5):
   drafted from d - 1 of the head's own predicted features, so alpha_d plays the role of the paper's
   (d-1)-alpha, measured on the verified tree rather than on a chain. ``None`` where no step reached d - 1.
 
-Does not own: the decode loop (``generate.py``), loading targets or heads, or the command line (``cli.py``).
+Does not own: the decode loop (``batch.py``), loading targets or heads, or the command line (``cli.py``).
 """
 
 from __future__ import annotations

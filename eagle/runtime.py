@@ -5,7 +5,7 @@ target (plain decoding, EAGLE, a hot-swapped head), so the target's graphs compi
 ``HeadRuntime`` is built once per head. Both hand out ``CompiledFunction``s keyed by width; prefills (one
 per request, prompt-length wide) run eagerly.
 
-Does not own: the decode loop (``generate.py``) or compile settings (``compile.py``).
+Does not own: the decode loop (``batch.py``) or compile settings (``compile.py``).
 """
 
 from __future__ import annotations

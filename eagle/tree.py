@@ -20,7 +20,7 @@ Drafting is vectorised over requests and nodes (``draft_trees``, batch 1 being a
 one head call over a fixed number of rows, then tensor ops choose the next rows, build their attention masks
 and rerank; nothing reads a tensor back to the host until the finished trees are verified.
 
-Does not own: accepting tokens (``verify.py``) or the decode loop (``generate.py``).
+Does not own: accepting tokens (``verify.py``) or the decode loop (``batch.py``).
 """
 
 from __future__ import annotations
