@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from eagle.errors import ContextLengthError, EagleError
-from eagle.policy import SPECULATE_MODES, SpeculationPolicy
+from eagle.policy import SpeculationPolicy, check_speculate
 from eagle.request import GenerationConfig, StepOutput, StepStats, TextDelta, truncate
 from eagle.runtime import step_inputs
 from eagle.tree import DraftTree, HybridTree, base_tree, causal_allowed, draft_trees, root_only, rows_mask
@@ -191,9 +191,7 @@ class BatchDecoder:
         self._queue: deque[BatchRequest] = deque()
         self._cancelled: set[int] = set()
         self._lock = threading.Lock()
-        self.speculate = (speculate or decoder.speculate) if self.heads is not None else "never"
-        if self.speculate not in SPECULATE_MODES:
-            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {self.speculate!r}")
+        self.speculate = check_speculate(speculate or decoder.speculate) if self.heads is not None else "never"
         # unmeasured (break-even 1) until ``warmup``: drafts every step
         self.policy = policy or SpeculationPolicy({1: 1.0}, {1: 1.0}, mode=self.speculate)
         self.steps = 0

@@ -27,7 +27,7 @@ from eagle.batch import BatchDecoder
 from eagle.compile import CompileConfig
 from eagle.errors import ContextLengthError, EagleError
 from eagle.head import EagleHead
-from eagle.policy import SPECULATE_MODES, SpeculationPolicy
+from eagle.policy import SpeculationPolicy, check_speculate
 from eagle.request import GenerationConfig, GenerationResult, StepOutput, StepStats, TextDelta  # noqa: F401 - the API's types
 from eagle.runtime import HeadRuntime, TargetRuntime, context_limit, head_runtime, step_inputs, target_runtime
 from eagle.target import Target
@@ -61,8 +61,7 @@ class Decoder:
         compile: CompileConfig | str = "off",
         speculate: str = "auto",
     ) -> None:
-        if speculate not in SPECULATE_MODES:
-            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {speculate!r}")
+        check_speculate(speculate)
         self.target = target
         self.head = head
         self.compile = compile if isinstance(compile, CompileConfig) else CompileConfig(mode=compile)

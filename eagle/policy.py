@@ -4,7 +4,7 @@
 batch N (``eagle.generate.Decoder`` runs a batch of one): draft when the expected tokens of a speculative
 step outweigh its measured cost against a plain step's, otherwise decode plainly and explore now and then.
 
-Owns: ``SpeculationPolicy``, ``SPECULATE_MODES``. Does not own: measuring the costs (``BatchDecoder.warmup``)
+Owns: ``SpeculationPolicy``, ``SPECULATE_MODES`` and their check (``check_speculate``). Does not own: measuring the costs (``BatchDecoder.warmup``)
 or the step itself (``eagle.batch``).
 """
 
@@ -15,6 +15,13 @@ import sys
 from eagle.errors import EagleError
 
 SPECULATE_MODES = ("auto", "always", "never")
+
+
+def check_speculate(mode: str) -> str:
+    """``mode`` if it is one of ``SPECULATE_MODES``, else an ``EagleError``: the one check of the setting."""
+    if mode not in SPECULATE_MODES:
+        raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
+    return mode
 
 
 class SpeculationPolicy:
@@ -47,11 +54,9 @@ class SpeculationPolicy:
     def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",
                  prior_tau: float = 2.0, smoothing: float = 0.1, explore_every: int = 32, explore_backoff: int = 8,
                  live: bool = False) -> None:
-        if mode not in SPECULATE_MODES:
-            raise EagleError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, got {mode!r}")
         self.plain_ms = dict(sorted(plain_ms.items()))
         self.speculative_ms = dict(sorted(speculative_ms.items()))
-        self.mode = mode
+        self.mode = check_speculate(mode)
         self.tau = prior_tau
         self.smoothing = smoothing
         self.explore_every = explore_every
