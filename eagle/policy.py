@@ -4,8 +4,8 @@
 batch N (``eagle.generate.Decoder`` runs a batch of one): draft when the expected tokens of a speculative
 step outweigh its measured cost against a plain step's, otherwise decode plainly and explore now and then.
 
-Owns: ``SpeculationPolicy``, ``SPECULATE_MODES`` and their check (``check_speculate``). Does not own: measuring the costs (``BatchDecoder.warmup``)
-or the step itself (``eagle.batch``).
+Owns: ``SpeculationPolicy``, ``SPECULATE_MODES`` and their check (``check_speculate``). Does not own:
+measuring the costs (``BatchDecoder.measure``) or the step itself (``eagle.batch``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ from eagle.errors import EagleError
 
 if TYPE_CHECKING:
     from eagle.head import LeanHead
-    from eagle.model import KVCache
 
 # EAGLE-1's default static tree (``mc_sim_7b_63`` in the reference repo): paths of child ranks.
 MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
