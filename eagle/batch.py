@@ -33,47 +33,37 @@ Lossless per request: a row's tokens depend only on its own cache row and its ow
 request's greedy output equals its batch-1 plain decoding (tests/test_batch.py, fp32), and at T > 0 each
 row is the single-request speculative sampler (distribution test in the same file).
 
-Seeding: a request with a ``seed`` draws each step's randomness from a generator seeded with (seed, the
-absolute position of the step's first new token) (``step_seed``), and at T > 0 it decodes without
-drafting (its rows verify the root alone, ``_seeded_sampling``), so its output is a function of the
-prompt, the settings, the seed and the tokens so far, whatever the batch and the policy, and a request
-resumed from the tokens already sent continues as the uninterrupted run would (``serve`` failover).
-Greedy requests are deterministic whatever they draft; unseeded sampling draws from streams seeded by
-torch's global generator.
+Admission (the queue, the prefill, seeding) is ``eagle.admission``; the policy's measured costs
+``eagle.step_costs``.
 
-Owns: ``BatchDecoder`` (the loop, its warm-up and the measurement of the policy's costs), ``BatchRequest``,
-``step_seed``. Does not own: the policy's rule (``eagle.policy``), the decoder's functions, tree, widths
-and request checks (``generate.Decoder``), the request and output types (``eagle.request``), HTTP or
-threads (``serve.pair`` drives ``step``).
+Owns: ``BatchDecoder`` (the step: catch-up, drafting, verification, acceptance, compaction; its rows and
+caches), ``check_graphs``. Does not own: admission and seeding (``eagle.admission``), the policy's rule
+(``eagle.policy``) and its measured costs (``eagle.step_costs``), the decoder's functions, tree, widths and
+request checks (``generate.Decoder``), the request and output types (``eagle.request``), HTTP or threads
+(``serve.pair`` drives ``step``).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from eagle.admission import BatchRequest, RequestQueue, Row, prefill, reseed, seeded_sampling
 from eagle.errors import ContextLengthError, EagleError
 from eagle.policy import SpeculationPolicy, check_speculate
-from eagle.request import GenerationConfig, StepOutput, StepStats, TextDelta, truncate
-from eagle.runtime import step_inputs
+from eagle.request import GenerationConfig, StepOutput, StepStats, truncate
+from eagle.step_costs import measure_policy, synthetic_verify
 from eagle.tree import DraftTree, HybridTree, base_tree, causal_allowed, draft_trees, root_only, rows_mask
-from eagle.verify import ProcessedRows, greedy_verify, processed_probs, sample_token, sample_verify
+from eagle.verify import ProcessedRows, greedy_verify, sample_verify
 
 if TYPE_CHECKING:
     from eagle.generate import Decoder
 
 logger = logging.getLogger(__name__)
-
-_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64): spreads (seed, position) pairs
-
 
 def check_graphs(graphs: Sequence[int], max_batch: int, compiled: bool) -> tuple[int, ...]:
     """The batch sizes of ``BatchDecoder(graphs=...)``, sorted; an ``EagleError`` unless each lies in
@@ -85,73 +75,6 @@ def check_graphs(graphs: Sequence[int], max_batch: int, compiled: bool) -> tuple
     if bad:
         raise EagleError(f"batch graph sizes must lie in 2..{max_batch} (the batch limit), got {bad}")
     return sizes
-
-
-def step_seed(seed: int, position: int) -> int:
-    """The seed of one step's generator: a function of the request's seed and the absolute position of the
-    step's first new token only (splitmix64 finaliser), so outputs do not depend on batch or history."""
-    z = (seed * _SEED_MIX + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-@dataclass
-class BatchRequest:
-    """One request in a ``BatchDecoder``: its settings, and what it has produced so far.
-
-    ``outputs`` receives one ``StepOutput`` per step the request took part in (the first one from its
-    prefill, with ``stats=None``); ``done`` is set when it finished (``finish_reason`` "stop", "length" or
-    "cancelled") or failed (``error``)."""
-
-    prompt_ids: list[int]
-    config: GenerationConfig
-    id: int = field(default_factory=itertools.count().__next__)
-    token_ids: list[int] = field(default_factory=list)
-    outputs: list[StepOutput] = field(default_factory=list)
-    steps: list[StepStats] = field(default_factory=list)
-    done: bool = False
-    finish_reason: str | None = None
-    error: BaseException | None = None
-    resumed: list[int] = field(default_factory=list)  # output tokens produced before this request (resume)
-    generator: torch.Generator | None = None  # T > 0: draw every step from this stream (``submit``)
-    submitted_at: float = field(default_factory=time.perf_counter)
-    queue_s: float | None = None  # from ``submit`` to the start of its prefill
-    prefill_s: float | None = None  # its prefill (the target's forward, first token; the head's waits for a draft)
-
-    @property
-    def tau(self) -> float | None:
-        """Tokens per target forward after the prefill (None before the first step)."""
-        return sum(s.accepted + 1 for s in self.steps) / len(self.steps) if self.steps else None
-
-
-@dataclass
-class _Row:
-    """A live request's decoding state; its caches are row ``index`` of the batch's caches."""
-
-    request: BatchRequest
-    stop_ids: set[int]
-    generator: torch.Generator | None
-    committed: int  # target cache positions that are final
-    root: int
-    context: list[int]  # prompt + every token chosen (the root included)
-    text: TextDelta
-    head_committed: int = 0  # head cache positions that are final
-    last_hidden: torch.Tensor | None = None  # head output at the last committed head position
-    pending_features: list[torch.Tensor] = field(default_factory=list)  # target features the head has not consumed
-    pending_tokens: list[int] = field(default_factory=list)  # the token after each pending feature
-
-    @property
-    def pending(self) -> int:
-        return len(self.pending_tokens)
-
-
-def _seeded_sampling(request: BatchRequest) -> bool:
-    """A seeded request at T > 0 never drafts: speculative sampling draws a different (equally distributed)
-    sample than plain sampling from the same random stream, so a seeded row that drafted in some steps
-    and not in others (the policy follows the batch and the measured costs) would not repeat its output.
-    A request given its own generator drafts: its caller asked for one stream, not for a repeatable output."""
-    return request.config.seed is not None and request.generator is None and not request.config.sampling.greedy
 
 
 class BatchDecoder:
@@ -187,10 +110,8 @@ class BatchDecoder:
         rows = max_batch
         self.cache = self.runtime.new_cache(self.capacity, rows)
         self.head_cache = self.heads.new_cache(self.capacity, rows) if self.heads is not None else None
-        self.rows: list[_Row] = []
-        self._queue: deque[BatchRequest] = deque()
-        self._cancelled: set[int] = set()
-        self._lock = threading.Lock()
+        self.rows: list[Row] = []
+        self.queue = RequestQueue()
         self.speculate = check_speculate(speculate or decoder.speculate) if self.heads is not None else "never"
         # unmeasured (break-even 1) until ``warmup``: drafts every step
         self.policy = policy or SpeculationPolicy({1: 1.0}, {1: 1.0}, mode=self.speculate)
@@ -202,83 +123,46 @@ class BatchDecoder:
     # ---- widths and warm-up -----------------------------------------------------------------------
 
     @staticmethod
-    def _single(batch: int) -> bool:
+    def single(batch: int) -> bool:
         """Whether a step of ``batch`` rows runs the single-request functions on row 0 (compiled under
         ``compile="on"``, the lean modules eagerly otherwise): a batch of one."""
         return batch == 1
 
-    def _verify_width(self, speculative: bool) -> int:
+    def verify_width(self, speculative: bool) -> int:
+        """The tokens a row verifies in a step: the tree's widest (a drafting step) or one (a plain step)."""
         return max(self.decoder._widths()["verify"]) if speculative else 1
 
     @torch.inference_mode()
     def warmup(self, *, measure: bool = True, sizes: Sequence[int] | None = None, repeats: int = 3) -> dict:
         """Run (compile) every batched function once, then measure the policy's costs at a few batch sizes
-        (``sizes``; default 1, 2, 4, ... up to ``max_batch``); returns the policy report.
-
-        Speculative steps are measured up to the first batch size whose break-even passes the most tokens a
-        step can yield per row (the tree's depth + 1): verification only grows more compute-bound with the
-        batch, so drafting cannot pay at the larger sizes either, and ``SpeculationPolicy`` extrapolates
-        their cost. Where drafting is dear (bf16 emulated on an AVX2 CPU: a SmolLM2 speculative step 13x a
-        plain one at batch 1) this skips the slowest measurements of a replica's start."""
+        (``sizes``; default 1, 2, 4, ... up to ``max_batch``; ``eagle.step_costs.measure_policy``); returns
+        the policy report."""
         self.decoder.warmup(measure=False)  # resolves an auto tree; compiles the single-request graphs a batch of one runs
         for batch in self.graphs:  # compiled here, not in a request's step
-            self._synthetic_verify(batch, 1, self._synthetic_context)
+            synthetic_verify(self, batch, 1)
         self.policy = self.measure(sizes=sizes, repeats=repeats if measure else 1)
         report = self.policy.report()
         logger.info("batch policy: %s", report)
         return report
 
-    @torch.inference_mode()
     def measure(self, *, sizes: Sequence[int] | None = None, repeats: int = 3) -> SpeculationPolicy:
-        """A ``SpeculationPolicy`` over this decoder's measured plain and speculative step costs at ``sizes``
-        (default 1, 2, 4, ... up to ``max_batch``), keeping the current policy's mode, tau and exploration
-        settings."""
-        sizes = sorted(set(sizes or [b for b in (1, 2, 4, 8, 16, 32) if b < self.max_batch] + [self.max_batch]))
-        plain, speculative = {}, {}
-        most_per_step = self.decoder.tree.depth + 1 if self.heads is not None else 0
-        for batch in sizes:
-            plain[batch] = self._time_step(batch, False, repeats)
-            if self.heads is not None and all(speculative[b] <= most_per_step * plain[b] for b in speculative):
-                speculative[batch] = self._time_step(batch, True, repeats)
-        return SpeculationPolicy(plain, speculative, mode=self.speculate, prior_tau=self.policy.tau,
-                                 explore_every=self.policy.explore_every, explore_backoff=self.policy.explore_backoff, live=True)
-
-    def _time_step(self, batch: int, speculative: bool, repeats: int) -> float:
-        """Milliseconds of one synthetic step of ``batch`` rows at a 128-token context (the median of
-        ``repeats``): catch-up, drafting and the tree's verification, or one plain verification."""
-        context = self._synthetic_context
-        times = []
-        for _ in range(repeats + 1):  # the first call warms (compiles) and is not counted
-            started = time.perf_counter()
-            if speculative:
-                self._synthetic_draft(batch, context)
-            self._synthetic_verify(batch, self._verify_width(speculative), context)
-            times.append((time.perf_counter() - started) * 1e3)
-        return sorted(times[1:])[len(times[1:]) // 2]
-
-    @property
-    def _synthetic_context(self) -> int:
-        """The committed length the warm-up's synthetic steps run at."""
-        return min(128, self.max_context // 2)
-
-    def _synthetic_verify(self, batch: int, width: int, context: int) -> None:
-        ids, positions, slots, mask = step_inputs(width, context, self.target.device)
-        rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
-        self._target_rows(rows(ids), rows(positions), rows(slots[None]), rows(mask))
+        """A ``SpeculationPolicy`` over this loop's measured plain and speculative step costs at ``sizes``
+        (``eagle.step_costs.measure_policy``)."""
+        return measure_policy(self, sizes, repeats)
 
     def _graph(self, batch: int, width: int) -> int | None:
         """The compiled batch size a plain step of ``batch`` rows pads to, or None (eager)."""
-        if width != 1 or self._single(batch):
+        if width != 1 or self.single(batch):
             return None
         return next((size for size in self.graphs if size >= batch), None)
 
-    def _target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def target_rows(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One target forward over rows ``0..B-1`` of the cache (``ids`` ``[B, q]``, ``slots`` ``[B, q]``, ``mask``
         ``[B, 1, q, kv]``): (head input ``[B, q, ..]``, logits ``[B, q, V]``, greedy ``[B, q]``). A batch of one
         runs the single-request graph, a plain step of a size in ``graphs`` (padded up) its graph, the rest
         the eager batched step."""
         batch, width = ids.shape
-        if self._single(batch):
+        if self.single(batch):
             view = self.cache.row(0)
             out = self.runtime.step(width)(ids, positions, slots[0], mask, view.keys, view.values)
             return tuple(t[None] for t in out)
@@ -293,22 +177,6 @@ class BatchDecoder:
             mask = torch.cat([mask, alone])
         out = self.runtime.rows_step(size)(ids, positions, slots, mask, self.cache.keys, self.cache.values)
         return tuple(t[:batch] for t in out)
-
-    def _synthetic_draft(self, batch: int, context: int) -> None:
-        device, dtype = self.target.device, self.runtime.model.lm_head.weight.dtype
-        width = self.decoder._widths()["advance"][0]
-        features = torch.zeros(1, width, self.heads.lean.input_size, dtype=dtype, device=device)
-        ids, positions, slots, mask = step_inputs(width, context, device)
-        if self._single(batch):
-            view = self.head_cache.row(0)
-            hidden = self.heads.advance(width)(features, ids, positions, slots, mask, view.keys, view.values)[:, -1]
-        else:
-            rows = lambda t: t.expand(batch, *t.shape[1:]).contiguous()  # noqa: E731
-            hidden = self.heads.rows_lean(rows(features), rows(ids), rows(positions), rows(slots[None]), rows(mask),
-                                          self.head_cache.keys, self.head_cache.values)[:, -1]
-        roots = torch.zeros(batch, dtype=torch.long, device=device)
-        prefix = torch.full((batch,), context, dtype=torch.long, device=device)
-        self._draft_rows(hidden, roots, prefix, [[0] * 4] * batch)
 
     # ---- requests -----------------------------------------------------------------------------------
 
@@ -341,14 +209,12 @@ class BatchDecoder:
         if len(generated) > config.max_new_tokens:
             raise EagleError(f"{len(generated)} generated tokens exceed max_new_tokens ({config.max_new_tokens})")
         request = BatchRequest(prompt_ids, config, resumed=generated, generator=generator)
-        with self._lock:
-            self._queue.append(request)
+        self.queue.push(request)
         return request
 
     def cancel(self, request: BatchRequest) -> None:
         """Drop ``request`` before the next step (its row is freed then)."""
-        with self._lock:
-            self._cancelled.add(request.id)
+        self.queue.cancel(request)
 
     @property
     def active(self) -> int:
@@ -356,8 +222,7 @@ class BatchDecoder:
 
     @property
     def idle(self) -> bool:
-        with self._lock:
-            return not self.rows and not self._queue
+        return not self.rows and self.queue.empty()
 
     # ---- one step ---------------------------------------------------------------------------------
 
@@ -378,7 +243,7 @@ class BatchDecoder:
         except Exception as err:  # the batch's state is unknown after a failed forward: fail its requests
             logger.exception("batch step failed; failing its %d requests", len(self.rows))
             for row in self.rows:
-                self._fail(row.request, err)
+                row.request.fail(err)
             self.rows.clear()
         self._retire()
         return events
@@ -389,16 +254,16 @@ class BatchDecoder:
         returns their first tokens. ``step`` does this before each step."""
         events: list[tuple[BatchRequest, StepOutput]] = []
         while len(self.rows) < self.max_batch:
-            with self._lock:
-                if not self._queue:
-                    break
-                request = self._queue.popleft()
+            request = self.queue.pop()
+            if request is None:
+                break
             started = time.perf_counter()
             request.queue_s = started - request.submitted_at
             try:
-                output = self._admit(request)
+                row, output = prefill(self.decoder, request, self.cache.row(len(self.rows)), self.heads is not None)
+                self.rows.append(row)
             except Exception as err:  # noqa: BLE001 - a request that cannot start fails alone
-                self._fail(request, err)
+                request.fail(err)
                 output = None
             finally:
                 request.prefill_s = time.perf_counter() - started
@@ -424,61 +289,6 @@ class BatchDecoder:
 
     # ---- internals ----------------------------------------------------------------------------------
 
-    def _generator(self, request: BatchRequest, position: int) -> torch.Generator | None:
-        if request.config.sampling.greedy:
-            return None
-        if request.generator is not None:
-            return request.generator
-        generator = torch.Generator(device=self.target.device)
-        seed = request.config.seed
-        # unseeded: a fresh stream drawn from torch's global generator (``torch.manual_seed`` repeats a run)
-        generator.manual_seed(step_seed(seed, position) if seed is not None else int(torch.randint(1 << 62, ())))
-        return generator
-
-    def _reseed(self, row: _Row) -> None:
-        if row.generator is not None and row.request.config.seed is not None and row.request.generator is None:
-            row.generator.manual_seed(step_seed(row.request.config.seed, len(row.context)))
-
-    def _admit(self, request: BatchRequest) -> StepOutput | None:
-        """Prefill ``request`` into the next free row; its first token (None for a resumed request, whose
-        next token comes from the next step)."""
-        index = len(self.rows)
-        device = self.target.device
-        resumed = request.resumed
-        prompt = request.prompt_ids + resumed[:-1]  # a resumed request's last token is the next root
-        ids = torch.tensor(prompt, device=device)
-        features, head_input = self.runtime.prefill(ids, self.cache.row(index))  # [n, hidden], [n, head input]
-        sampling = request.config.sampling
-        generator = self._generator(request, len(prompt))
-        if resumed:
-            root = resumed[-1]
-        else:
-            last = features[-1:]
-            logits = self.runtime.model.lm_head(last)
-            if sampling.greedy:
-                root = int(self.runtime.model.greedy(last, logits)[0])
-            else:
-                root = sample_token(processed_probs(logits[0].float(), sampling), generator)
-        row = _Row(request, self.decoder.stop_ids(request.config), generator, len(prompt), root, prompt + [root], TextDelta(self.target))
-        if self.heads is not None:
-            # the head's prefill waits for the row's first speculative step (``_catch_up``): while the
-            # policy decodes plainly a request can finish without ever running the head
-            row.pending_features.append(head_input)
-            row.pending_tokens.extend(prompt[1:] + [root])
-        self.rows.append(row)
-        request.token_ids.extend(resumed or [root])
-        output = None
-        if resumed:
-            # the text of the resumed tokens was sent before: prime the detokeniser with them (their text is
-            # dropped), so later deltas are what the uninterrupted run would have sent (a character split
-            # across the seam, a merge with the token before)
-            row.text.push(resumed)
-        else:
-            output = StepOutput([root], row.text.push([root]), None)
-        if root in row.stop_ids or len(request.token_ids) >= request.config.max_new_tokens:
-            self._finish(row, "stop" if root in row.stop_ids else "length")
-        return output
-
     def _advance(self) -> list[tuple[BatchRequest, StepOutput]]:
         rows = self.rows
         batch = len(rows)
@@ -486,11 +296,11 @@ class BatchDecoder:
         decision = self.policy.choose(batch) if self.heads is not None else "plain"
         speculative = decision != "plain"
         for row in rows:
-            self._reseed(row)
+            reseed(row)
         backlog_s = 0.0
         if speculative:
             backlog_s = self._catch_up()
-            trees = [self._root_only(row) if _seeded_sampling(row.request) else tree for row, tree in zip(rows, self._draft(rows))]
+            trees = [self._root_only(row) if seeded_sampling(row.request) else tree for row, tree in zip(rows, self._draft(rows))]
         else:
             trees = [self._root_only(row) for row in rows]
         drafted = time.perf_counter()
@@ -520,9 +330,9 @@ class BatchDecoder:
             events.append((request, output))
             request.outputs.append(output)
             if out and out[-1] in row.stop_ids:
-                self._finish(row, "stop")
+                request.finish("stop")
             elif len(out) < len(new_tokens) or len(request.token_ids) >= config.max_new_tokens:
-                self._finish(row, "length")
+                request.finish("length")
         drafting_rows = sum(1 for tree in trees if len(tree) > 1)
         if drafting_rows:
             self.policy.observe((accepted_total - (batch - drafting_rows)) / drafting_rows)
@@ -542,7 +352,7 @@ class BatchDecoder:
                 features = torch.cat(row.pending_features)
                 tokens = torch.tensor(row.pending_tokens, device=self.target.device)
                 row.last_hidden = self.heads.prefill(features, tokens, self.head_cache.row(index), start=row.head_committed)[-1]
-                self._consumed(row)
+                row.consumed()
         backlog_s = time.perf_counter() - started
         if not any(row.pending for row in rows):
             return backlog_s
@@ -563,7 +373,7 @@ class BatchDecoder:
         local = causal_allowed(width, 0, device)[None] & real[:, None, :] & real[:, :, None]
         local = local | torch.eye(width, dtype=torch.bool, device=device)[None]
         mask = rows_mask(prefix, real, local, int(prefix.max()) + width)[:, None]
-        if self._single(batch):
+        if self.single(batch):
             view = self.head_cache.row(0)
             hidden = self.heads.advance(width)(features, tokens, positions, slots[0], mask, view.keys, view.values)
         else:
@@ -571,30 +381,27 @@ class BatchDecoder:
         for b, row in enumerate(rows):
             if row.pending:
                 row.last_hidden = hidden[b, row.pending - 1]
-                self._consumed(row)
+                row.consumed()
         return backlog_s
 
-    @staticmethod
-    def _consumed(row: _Row) -> None:
-        row.head_committed += row.pending
-        row.pending_features.clear()
-        row.pending_tokens.clear()
-
-    def _root_only(self, row: _Row) -> DraftTree:
+    def _root_only(self, row: Row) -> DraftTree:
         return root_only(torch.tensor([row.root], device=self.target.device))
 
-    def _draft(self, rows: list[_Row]) -> list[DraftTree]:
+    def _draft(self, rows: list[Row]) -> list[DraftTree]:
         device = self.target.device
         roots = torch.tensor([row.root for row in rows], device=device)
         prefix = torch.tensor([row.committed for row in rows], device=device)
         hidden = torch.stack([row.last_hidden for row in rows])
-        return self._draft_rows(hidden, roots, prefix, [row.context for row in rows])
+        return self.draft_rows(hidden, roots, prefix, [row.context for row in rows])
 
-    def _draft_rows(self, hidden: torch.Tensor, roots: torch.Tensor, prefix: torch.Tensor, contexts: list[list[int]]) -> list[DraftTree]:
+    def draft_rows(self, hidden: torch.Tensor, roots: torch.Tensor, prefix: torch.Tensor, contexts: list[list[int]]) -> list[DraftTree]:
+        """Every row's tree below ``roots`` from the head's last outputs ``hidden`` (``eagle.tree.draft_trees``:
+        one head call per depth for all rows; a batch of one runs the compiled single-row draft step on row
+        0), each row's n-gram branch added for a hybrid tree (``contexts``: the rows' tokens so far)."""
         tree = self.tree
         base = base_tree(tree)
         batch = roots.numel()
-        if self._single(batch):  # the compiled single-row draft step on row 0
+        if self.single(batch):  # the compiled single-row draft step on row 0
             view, lean = self.head_cache.row(0), self.heads.lean
 
             def expand(features, tokens, positions, slots, mask, k):
@@ -618,7 +425,7 @@ class BatchDecoder:
         rows = self.rows
         batch = len(rows)
         sizes = [len(tree) for tree in trees]
-        width = self._verify_width(max(sizes) > 1)  # a tree (hybrid branch included) fits the tree's width
+        width = self.verify_width(max(sizes) > 1)  # a tree (hybrid branch included) fits the tree's width
         ids = torch.zeros(batch, width, dtype=torch.long, device=device)
         depths = torch.zeros(batch, width, dtype=torch.long, device=device)
         ancestry = torch.eye(width, dtype=torch.bool, device=device).repeat(batch, 1, 1)
@@ -633,7 +440,7 @@ class BatchDecoder:
         positions = start[:, None] + depths
         slots = start[:, None] + torch.arange(width, device=device)[None]
         mask = rows_mask(start, real, ancestry, int(start.max()) + width)[:, None]
-        features, logits, greedy = self._target_rows(ids, positions, slots, mask)
+        features, logits, greedy = self.target_rows(ids, positions, slots, mask)
         results, moves = [], []
         for b, (row, tree) in enumerate(zip(rows, trees)):
             sampling = row.request.config.sampling
@@ -661,27 +468,11 @@ class BatchDecoder:
             source, torch.tensor([len(s) for _, _, s in moves], device=device),
         )
 
-    def _finish(self, row: _Row, reason: str) -> None:
-        row.request.finish_reason = reason
-        row.request.done = True
-
-    def _fail(self, request: BatchRequest, err: BaseException) -> None:
-        request.error = err
-        request.finish_reason = "error"
-        request.done = True
-
     def _drop_cancelled(self) -> None:
-        with self._lock:
-            cancelled, self._cancelled = self._cancelled, set()
-            if cancelled:
-                kept = deque(r for r in self._queue if r.id not in cancelled)
-                for r in self._queue:
-                    if r.id in cancelled:
-                        r.done, r.finish_reason = True, "cancelled"
-                self._queue = kept
+        cancelled = self.queue.take_cancelled()
         for row in self.rows:
             if row.request.id in cancelled and not row.request.done:
-                self._finish(row, "cancelled")
+                row.request.finish("cancelled")
 
     def _retire(self) -> None:
         """Free the rows of finished requests: the last live row moves into each freed row."""
@@ -697,7 +488,7 @@ class BatchDecoder:
                 self.rows[index] = moving
             self.rows.pop()
 
-    def _move(self, source: int, target: int, row: _Row) -> None:
+    def _move(self, source: int, target: int, row: Row) -> None:
         end = row.committed
         for buffer in (*self.cache.keys, *self.cache.values):
             buffer[target, :, :end] = buffer[source, :, :end]

@@ -159,7 +159,7 @@ class Decoder:
 
         The request runs alone on a ``BatchDecoder`` that shares this decoder's functions and ``policy``.
         At T > 0, ``generator`` is the request's one random stream (it drafts as the policy says); without
-        one, ``config.seed`` seeds each step from the position (``eagle.batch.step_seed``) and the request
+        one, ``config.seed`` seeds each step from the position (``eagle.admission.step_seed``) and the request
         decodes plainly, so the same seed repeats the same output whatever the policy chose."""
         config = config or GenerationConfig()
         prompt_ids = list(prompt_ids)

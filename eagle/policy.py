@@ -5,7 +5,7 @@ batch N (``eagle.generate.Decoder`` runs a batch of one): draft when the expecte
 step outweigh its measured cost against a plain step's, otherwise decode plainly and explore now and then.
 
 Owns: ``SpeculationPolicy``, ``SPECULATE_MODES`` and their check (``check_speculate``). Does not own:
-measuring the costs (``BatchDecoder.measure``) or the step itself (``eagle.batch``).
+measuring the costs (``eagle.step_costs``) or the step itself (``eagle.batch``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class SpeculationPolicy:
     kind's cost by the ratio of the step times it observes (``observe_step``) to the modelled ones (an
     exponential moving average per kind; drafting that was never observed takes plain decoding's ratio;
     the head's catch-up over a backlog of plain steps is paid once and left out), so the break-even it
-    decides by is the one the requests actually see. ``BatchDecoder.measure`` makes
+    decides by is the one the requests actually see. ``eagle.step_costs.measure_policy`` makes
     live policies; a policy built by hand (tests) keeps its given costs."""
 
     def __init__(self, plain_ms: dict[int, float], speculative_ms: dict[int, float], *, mode: str = "auto",

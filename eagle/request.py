@@ -28,7 +28,7 @@ class GenerationConfig:
         sampling: temperature / top-p / top-k of the target's distribution (temperature 0 = greedy).
         stop_token_ids: tokens that end generation (included in the output); None = the target's EOS ids.
         seed: in [0, 2**64); at T > 0 each step draws from a generator seeded by (seed, the step's position)
-            (``eagle.batch.step_seed``) and the request decodes without drafting, so the same seed repeats the
+            (``eagle.admission.step_seed``) and the request decodes without drafting, so the same seed repeats the
             same output whatever the batch and the policy; a caller's own ``torch.Generator`` drafts instead.
     """
 

@@ -31,7 +31,8 @@ from typing import Any, AsyncIterator, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from eagle.batch import BatchDecoder, BatchRequest, check_graphs
+from eagle.admission import BatchRequest
+from eagle.batch import BatchDecoder, check_graphs
 from eagle.compile import CompileConfig
 from eagle.errors import ContextLengthError, EagleError
 from eagle.generate import Decoder, GenerationConfig, StepOutput, TextDelta

@@ -25,7 +25,9 @@ import pytest
 import torch
 
 from eagle import Decoder, DynamicTree, EagleHead, GenerationConfig, StaticTree
-from eagle.batch import BatchDecoder, step_seed
+import eagle.step_costs
+from eagle.admission import step_seed
+from eagle.batch import BatchDecoder
 from eagle.policy import SpeculationPolicy
 from eagle.errors import EagleError
 from eagle.tree import HybridTree, build_tree
@@ -332,7 +334,7 @@ def test_seeded_output_is_independent_of_the_batch_and_resumes_exactly(sampling,
     crowded.run_until_done()
     assert again.token_ids == reference and all(o.done for o in others)
     drafted = any(step.tree_size > 0 for step in request.steps)
-    assert drafted == (with_head and sampling.greedy)  # seeded sampling never drafts (eagle.batch._seeded_sampling)
+    assert drafted == (with_head and sampling.greedy)  # seeded sampling never drafts (eagle.admission.seeded_sampling)
     # resume after the tokens of each step (what a client holds when a replica dies between two steps)
     cuts, total = [], 0
     for output in request.outputs:
@@ -436,11 +438,11 @@ def test_warmup_stops_measuring_drafting_once_it_cannot_pay(monkeypatch):
     ratios = {1: 2.0, 2: 3.5, 4: 4.5, 8: 7.0, 16: 11.0}  # speculative / plain, rising with the batch
     timed = []
 
-    def fake_step(batch: int, speculative: bool, repeats: int) -> float:
+    def fake_step(loop, batch: int, speculative: bool, repeats: int) -> float:
         timed.append((batch, speculative))
         return 10.0 * batch ** 0.5 * (ratios[batch] if speculative else 1.0)
 
-    monkeypatch.setattr(engine, "_time_step", fake_step)
+    monkeypatch.setattr(eagle.step_costs, "time_step", fake_step)
     report = engine.warmup()
     assert sorted(b for b, s in timed if not s) == [1, 2, 4, 8, 16]
     assert sorted(b for b, s in timed if s) == [1, 2, 4]  # 4 is the first past 4 tokens a step: 8 and 16 unmeasured
@@ -560,7 +562,7 @@ def _recorded_forwards(engine: BatchDecoder) -> list[tuple[int, int, int | None]
     or None when it ran eagerly or on the single-request graphs)."""
     forwards: list[tuple[int, int, int | None]] = []
     graphs: list[int] = []
-    rows_step, target_rows = engine.runtime.rows_step, engine._target_rows
+    rows_step, target_rows = engine.runtime.rows_step, engine.target_rows
 
     def recording_rows_step(batch: int):
         graph = rows_step(batch)
@@ -577,7 +579,7 @@ def _recorded_forwards(engine: BatchDecoder) -> list[tuple[int, int, int | None]
         forwards.append((*ids.shape, graphs[-1] if len(graphs) > before else None))
         return out
 
-    engine.runtime.rows_step, engine._target_rows = recording_rows_step, recording_target_rows
+    engine.runtime.rows_step, engine.target_rows = recording_rows_step, recording_target_rows
     return forwards
 
 
