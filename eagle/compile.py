@@ -30,7 +30,9 @@ from typing import Any, Callable
 import torch
 import torch._inductor.config
 from torch import nn
+from torch._dynamo.utils import counters
 
+from eagle import artifacts
 from eagle.errors import EagleError
 
 logger = logging.getLogger(__name__)
@@ -71,10 +73,14 @@ class CompileConfig:
 def _settings(device: torch.device, autotune: bool, cpp_wrapper: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """(torch.compile keyword arguments, inductor config patched while the graph compiles). The inductor
     settings are patched around the first call rather than passed as ``options``: ``freezing`` passed that
-    way was not applied (the weights stayed graph inputs, bf16 GEMMs ran unpacked, 52 vs 32 ms a step)."""
+    way was not applied (the weights stayed graph inputs, bf16 GEMMs ran unpacked, 52 vs 32 ms a step).
+    With compiled artifacts on (``eagle.artifacts``), CPU weights are not prepacked into mkldnn tensors,
+    which inductor's cache cannot store."""
     if device.type == "cuda":
         return {"mode": "max-autotune" if autotune else "reduce-overhead"}, {}
     inductor: dict[str, Any] = {"freezing": True}
+    if artifacts.enabled():
+        inductor["cpp.weight_prepack"] = False
     if autotune:
         inductor.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
     if cpp_wrapper:
@@ -113,9 +119,12 @@ class CompiledFunction:
         self.config = config
         self.dynamic = dynamic
         self.compile_s: float | None = None
+        self.loaded: bool | None = None  # whether the first call loaded the graph from compiled artifacts
         if isinstance(fn, tuple):
             fn = _Method(*fn)
         self.eager = fn
+        self.device = device
+        self._weights = fn.module if isinstance(fn, _Method) else fn if isinstance(fn, nn.Module) else None
         self.static_kv = device.type == "cuda"
         self._mask_at = next((i for i, dim in dynamic.items() if dim == 3), None)
         self._keys_at = next((i for i, dim in dynamic.items() if dim == 2), None)
@@ -146,14 +155,19 @@ class CompiledFunction:
         if self.compile_s is None:
             self._mark(args)
             started = time.perf_counter()
+            inductor = dict(self._inductor)
+            if artifacts.activate(self.device) is not None:
+                inductor["post_grad_custom_post_pass"] = artifacts.WeightsKey(artifacts.weights_digest(self._weights))
+            hits = counters["inductor"]["fxgraph_cache_hit"]
             try:
-                with torch._inductor.config.patch(self._inductor):
+                with torch._inductor.config.patch(inductor):
                     out = self._compiled(*args)
             except Exception as err:  # noqa: BLE001 - any compiler failure: say which function and what to do
                 first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
                 raise EagleError(f"torch.compile failed for {self.name}: {first[:300]} (run with --compile off)") from err
             self.compile_s = time.perf_counter() - started
-            logger.info("compiled %s in %.1f s", self.name, self.compile_s)
+            self.loaded = counters["inductor"]["fxgraph_cache_hit"] > hits
+            logger.info("%s %s in %.1f s", "loaded" if self.loaded else "compiled", self.name, self.compile_s)
             return out
         with torch.compiler.set_stance("fail_on_recompile"):
             try:
