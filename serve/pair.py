@@ -15,6 +15,14 @@ seconds; when the alias points at a new version it downloads and loads that head
 beside the current one, then swaps the reference. Requests already running finish on the engine they
 started with (the decode loop steps both until the old one is empty), so none is dropped; new requests
 get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
+
+Serving while compiling: with ``compile: on`` a replica first loads an eager stand-in (the target alone,
+plain decoding, nothing compiled: it answers within seconds of the target's load) and builds the compiled
+pair on a background thread (graphs load from ``eagle.artifacts`` when a process on this machine kind
+compiled them before, else they compile); then it swaps the compiled pair in exactly as a hot swap does.
+Requests running on the stand-in finish there, new ones get the compiled pair; ``info()["path"]`` says
+which one serves new requests ("eager" or "compiled"). Greedy answers are the same on both paths in fp32;
+in bf16 they may differ where eager and compiled rounding split a near-tie.
 """
 
 from __future__ import annotations
@@ -112,6 +120,9 @@ class PairSpec(BaseModel):
         tree: the draft tree.
         compile: ``eagle.compile`` mode ("on": the batched functions compile when the replica starts, on
             CPU with inductor's C++ wrapper, ``CompileConfig.cpp_wrapper``).
+        eager_until_compiled: with ``compile: on``, answer on an eager stand-in (the target alone) while the
+            compiled pair is built in the background, then switch (the module docstring); False: the
+            replica is not ready until its graphs are.
         max_batch_size: requests one replica decodes together (``eagle.batch.BatchDecoder``); more wait.
         batch_graphs: batch sizes whose plain steps run a compiled graph (``compile: on`` only; each in
             ``2..max_batch_size``; a step pads up to the next one): less CPU per step, ~1.5 minutes of
@@ -143,6 +154,7 @@ class PairSpec(BaseModel):
     threads: int | None = Field(None, ge=1)
     tree: TreeSettings = Field(default_factory=TreeSettings)
     compile: Literal["on", "off"] = "on"
+    eager_until_compiled: bool = True
     max_batch_size: int = Field(8, ge=1)
     batch_graphs: tuple[int, ...] = ()
     max_context: int = Field(2048, ge=2)
@@ -208,6 +220,7 @@ class _Loaded:
     head_dir: str | None
     head_version: str | None  # registry version, or None for a local folder / no head
     loaded_at: float
+    path: str = "compiled"  # "eager" for the stand-in that serves while the compiled pair is built
 
 
 class _Metrics:
@@ -326,9 +339,16 @@ class PairServer:
         self.threads = self.spec.threads or default_threads()
         self.tree = self.spec.tree.build()
         self._head_spec = self.spec.head
+        self._load_lock = threading.Lock()  # one head load at a time: the background build, refresh, reconfigure
+        self._compile_error: str | None = None
+        self._compiled = threading.Event()  # set once the compiled pair serves (or when there is none to build)
+        self._pending_head: tuple[str | None, tuple] | None = None  # (head spec, _read_head's) for the background build
+        stand_in = self.spec.compile == "on" and self.spec.eager_until_compiled
         # model work off the decode thread runs on short-lived threads (``on_own_thread``: a second long-lived
         # OpenMP team would halve the decode thread's speed)
-        self._loaded = on_own_thread(self._load_pair, target, threads=self.threads)
+        self._loaded = on_own_thread(self._load_pair, target, stand_in, threads=self.threads)
+        if not stand_in:
+            self._compiled.set()
         self._swap_lock = threading.Lock()
         self._metrics = _Metrics(self.spec.model)
         # the decode loop: one thread steps the current engine (and, after a hot swap, the previous one until
@@ -347,14 +367,19 @@ class PairServer:
         self._watch_s = self.spec.watch_s
         self._watch_error: str | None = None
         self._watcher: threading.Thread | None = None
+        if stand_in:
+            threading.Thread(target=self._build_compiled, name=f"compile-{self.spec.model}", daemon=True).start()
         if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s:
             self._start_watcher()
-        logger.info("pair %s ready: target %s, head %s (version %s)", self.spec.model, self.target.name, self._loaded.head_dir, self._loaded.head_version)
+        logger.info("pair %s ready (%s path): target %s, head %s (version %s)", self.spec.model, self._loaded.path, self.target.name,
+                    self._loaded.head_dir, self._loaded.head_version)
 
     # ---- loading and hot swap -------------------------------------------------------------------------
 
-    def _load_pair(self, target: Target | None) -> _Loaded:
-        """Set ``self.target`` (``target``, or ``spec.target`` loaded) and load the head on it."""
+    def _load_pair(self, target: Target | None, stand_in: bool) -> _Loaded:
+        """Set ``self.target`` (``target``, or ``spec.target`` loaded) and load the head on it, or (``stand_in``)
+        read the head (a head that cannot be resolved or does not fit fails the start here, as without a
+        stand-in) and return the eager stand-in that serves until ``_build_compiled`` has built the pair."""
         from eagle.target import load_target
 
         if target is None:
@@ -363,18 +388,62 @@ class PairServer:
         self.target = target
         if self.target.tokenizer is None:
             raise EagleError(f"pair {self.spec.model!r}: the target has no tokenizer; an HTTP pair needs one")
+        if stand_in:
+            self._pending_head = (self._head_spec, self._read_head(self._head_spec))
+            decoder = Decoder(self.target, None, compile="off")
+            engine = BatchDecoder(decoder, max_batch=self.spec.max_batch_size, max_context=self.spec.max_context)
+            return _Loaded(decoder, engine, None, None, time.time(), path="eager")
         return self._load(self._head_spec)
 
+    def _build_compiled(self) -> None:
+        """The compiled pair, built beside the eager stand-in and then swapped in (the background thread)."""
+        started = time.perf_counter()
+        try:
+            with self._load_lock:
+                head_spec, (head, head_dir, version) = self._pending_head
+                self._pending_head = None
+                if head_spec != self._head_spec:  # ``reconfigure`` switched heads first: its compiled pair serves
+                    return
+                loaded = _Loaded(*on_own_thread(self._ready, head, threads=self.threads), head_dir, version, time.time(), path=self._path)
+                with self._swap_lock:
+                    self._loaded = loaded
+                self._add_engine(loaded.engine)
+            logger.info("pair %s: compiled path serves after %.1f s (head version %s)", self.spec.model,
+                        time.perf_counter() - started, loaded.head_version)
+        except Exception as err:  # noqa: BLE001 - the stand-in keeps answering; info() and the log say why
+            self._compile_error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            logger.exception("pair %s: building the compiled path failed; serving on the eager stand-in", self.spec.model)
+        finally:
+            self._compiled.set()
+
     def _load(self, head_spec: str | None) -> _Loaded:
-        if head_spec is None:
-            return _Loaded(*self._ready(None), None, None, time.time())
-        return self._load_dir(*self._resolve_head_dir(head_spec))
+        head, head_dir, version = self._read_head(head_spec)
+        return _Loaded(*self._ready(head), head_dir, version, time.time(), path=self._path)
 
     def _load_dir(self, head_dir: str, version: str | None) -> _Loaded:
+        head = self._head_from(head_dir)
+        return _Loaded(*self._ready(head), head_dir, version, time.time(), path=self._path)
+
+    def _read_head(self, head_spec: str | None) -> tuple[Any, str | None, str | None]:
+        """(head, its directory, its registry version) for ``head_spec``; (None, None, None) for no head."""
+        if head_spec is None:
+            return None, None, None
+        head_dir, version = self._resolve_head_dir(head_spec)
+        return self._head_from(head_dir), head_dir, version
+
+    def _head_from(self, head_dir: str):
         from eagle.head import EagleHead
 
-        head = EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
-        return _Loaded(*self._ready(head), head_dir, version, time.time())
+        return EagleHead.from_pretrained(head_dir, self.target)  # checks shape and target revision
+
+    @property
+    def _path(self) -> str:
+        return "compiled" if self.spec.compile == "on" else "eager"
+
+    def wait_until_compiled(self, timeout: float | None = None) -> bool:
+        """Block until the compiled pair serves (or its build failed, ``info()["compile_error"]``; or there
+        is none to build); False on timeout."""
+        return self._compiled.wait(timeout)
 
     @functools.cached_property
     def _registry(self):
@@ -424,13 +493,16 @@ class PairServer:
         spec = self._head_spec
         if not spec or not spec.startswith("models:/"):
             return False
+        if not self._compiled.is_set():  # the stand-in's background build loads the alias's head as it is then
+            return False
         head_dir, current = self._registry.resolve_head_version(spec)
         if current == self._loaded.head_version:
             return False
-        loaded = on_own_thread(self._load_dir, head_dir, current, threads=self.threads)
-        with self._swap_lock:
-            previous, self._loaded = self._loaded, loaded
-        self._add_engine(loaded.engine)
+        with self._load_lock:
+            loaded = on_own_thread(self._load_dir, head_dir, current, threads=self.threads)
+            with self._swap_lock:
+                previous, self._loaded = self._loaded, loaded
+            self._add_engine(loaded.engine)
         logger.info("pair %s: %s moved, head version %s -> %s", self.spec.model, spec, previous.head_version, loaded.head_version)
         return True
 
@@ -441,10 +513,11 @@ class PairServer:
             self._watch_s = float(user_config["watch_s"]) if user_config["watch_s"] else None
         head = user_config.get("head", self._head_spec)
         if head != self._head_spec:
-            loaded = on_own_thread(self._load, head, threads=self.threads)
-            with self._swap_lock:
-                self._loaded, self._head_spec = loaded, head
-            self._add_engine(loaded.engine)
+            with self._load_lock:  # after a background build: its pair is replaced by this one
+                loaded = on_own_thread(self._load, head, threads=self.threads)
+                with self._swap_lock:
+                    self._loaded, self._head_spec = loaded, head
+                self._add_engine(loaded.engine)
             logger.info("pair %s: reconfigured to head %s (version %s)", self.spec.model, head, loaded.head_version)
         if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s and self._watcher is None:
             self._start_watcher()
@@ -542,6 +615,8 @@ class PairServer:
             "target_revision": self.target.revision,
             "head": self._head_spec,
             "head_version": loaded.head_version,
+            "path": loaded.path,  # "eager" while the compiled pair is built (serving while compiling)
+            "compile_error": self._compile_error,
             "speculative": loaded.decoder.head is not None,
             "tree": self.spec.tree.model_dump(),
             "max_batch_size": self.spec.max_batch_size,
@@ -667,7 +742,7 @@ class PairServer:
         request_id = uuid.uuid4().hex
         started = time.perf_counter()
         yield {"type": "start", "id": request_id, "prompt_tokens": len(prompt_ids), "head_version": loaded.head_version,
-               "replica": _replica_id()}
+               "path": loaded.path, "replica": _replica_id()}
         stops = resume.stops
         tokens = len(resume.token_ids)
         finish = resume.finish or "length"
@@ -722,6 +797,7 @@ class PairServer:
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": tokens, "total_tokens": len(prompt_ids) + tokens},
             "eagle": {
                 "head_version": loaded.head_version,
+                "path": loaded.path,
                 "speculative": speculative,
                 "target_forwards": len(steps) + (1 if queued is not None and not resume.token_ids else 0),  # + the prefill
                 "accepted_tokens": accepted,

@@ -840,3 +840,51 @@ def test_a_replica_without_the_pairs_gpu_fails_at_load_with_one_line():
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     with pytest.raises(EagleError, match=f"device 'cuda:{visible}': this process sees {visible} CUDA GPU"):
         PairServer(PairSpec(model="m", target="smollm2-135m", device=f"cuda:{visible}"))
+
+
+def test_a_replica_answers_on_the_eager_path_while_its_graphs_compile_then_switches(monkeypatch, tmp_path):
+    """compile "on": the pair answers at once on an eager stand-in (the target alone) while its compiled pair
+    is built in the background; a request in flight across the switch finishes exactly; requests after it
+    run on the compiled pair; info() (the /v1/models entry) says which path serves. The build waits until
+    the test releases it, so the switch falls inside the streamed request (the compiling itself is real)."""
+    import threading
+
+    target_dir = tiny_chat_target_dir(tmp_path / "tiny-switch", seed=4)  # from the shared SmolLM2 conversion
+    target = load_target(str(target_dir), dtype="float32")
+    head_dir = tiny_head_dir(target_dir, tmp_path / "head", seed=1)
+    monkeypatch.setenv("EAGLE_CACHE_DIR", str(tmp_path / "cache"))  # compiled artifacts of this test's own
+    release = threading.Event()
+    ready = PairServer._ready
+
+    def held(self, head):
+        assert release.wait(300)
+        return ready(self, head)
+
+    monkeypatch.setattr(PairServer, "_ready", held)
+    server = PairServer(PairSpec(model="switch", target=str(target_dir), head=str(head_dir), dtype="float32", watch_s=None,
+                                 compile="on", max_tokens=64, threads=1), target=target)
+    try:
+        assert server.info()["path"] == "eager" and server.info()["speculative"] is False
+        expected = plain_text(target, target.tokenizer.encode("Story:"), 40)
+
+        async def scenario():
+            before = await server.generate(Request(prompt="Story:", max_tokens=40, temperature=0))
+            events = server.stream(Request(prompt="Story:", max_tokens=40, temperature=0))
+            start = await events.__anext__()
+            first = await events.__anext__()
+            release.set()
+            assert await asyncio.get_running_loop().run_in_executor(None, server.wait_until_compiled, 900)
+            rest = [event async for event in events]
+            after = await server.generate(Request(prompt="Story:", max_tokens=40, temperature=0))
+            return before, start, [first, *rest], after
+
+        before, start, streamed, after = asyncio.run(scenario())
+        assert before["text"] == expected and before["eagle"]["path"] == "eager"
+        assert start["path"] == "eager" and delta_text(streamed) == expected and streamed[-1]["eagle"]["path"] == "eager"
+        info = server.info()
+        assert info["path"] == "compiled" and info["compile_error"] is None and info["speculative"] is True
+        assert after["text"] == expected and after["eagle"]["path"] == "compiled"
+        assert after["eagle"]["tau"] is not None and after["eagle"]["tau"] >= 1.0
+    finally:
+        release.set()
+        server.shutdown()
