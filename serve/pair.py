@@ -18,8 +18,8 @@ get the new head. ``reconfigure`` (Serve's ``user_config``) can also pin a head.
 
 Serving while compiling: with ``compile: on`` a replica first loads an eager stand-in (the target alone,
 plain decoding, nothing compiled: it answers within seconds of the target's load) and builds the compiled
-pair on a background thread (graphs load from ``eagle.artifacts`` when a process on this machine kind
-compiled them before, else they compile); then it swaps the compiled pair in exactly as a hot swap does.
+pair on a background thread (its graphs compile, or load from ``eagle.artifacts`` where that is on); then
+it swaps the compiled pair in exactly as a hot swap does.
 Requests running on the stand-in finish there, new ones get the compiled pair; ``info()["path"]`` says
 which one serves new requests ("eager" or "compiled"). Greedy answers are the same on both paths in fp32;
 in bf16 they may differ where eager and compiled rounding split a near-tie.
