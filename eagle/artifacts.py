@@ -19,10 +19,10 @@ inductor's key are closed here:
   picks, the CPU's flags or the CUDA device), so a cache on a shared home never hands AVX-512 kernels to
   an AVX2 machine.
 
-Integrity: inductor writes each entry (a pickle) to ``fxgraph/<k>/<key>/<hash of its content>`` (its own
-``codecache.sha256_hash`` of the content); before
-a process's first compile, ``activate`` deletes every entry whose content no longer hashes to its name
-(one log line), so a corrupt or truncated entry is rebuilt, never loaded. The directory is created with
+Integrity: inductor writes each entry (a pickle) to ``fxgraph/<k>/<key>/<name>``, the name being its own
+``codecache.sha256_hash`` of the content; before a process's first compile, ``activate`` deletes every
+entry whose content no longer hashes to its name (one log line), so a corrupt or truncated entry is
+rebuilt, never loaded. The directory is created with
 mode 0700 under ``$EAGLE_CACHE_DIR/compiled``: only this project's processes of this user write it;
 nothing a user uploads lands there.
 
@@ -32,7 +32,8 @@ function in ~1 s instead of 4-6 s, but the plain step without prepacked weights 
 against 37.0 with them (with and without GEMM autotuning). So it is opt-in: ``EAGLE_COMPILED_ARTIFACTS=on``;
 off (the default) every process compiles its own graphs with prepacked weights, as before.
 
-Owns: ``activate``, ``artifact_dir``, ``machine_kind``, ``weights_digest``, ``WeightsKey``. Does not own:
+Owns: ``enabled``, ``activate``, ``verify``, ``artifact_dir``, ``machine_kind``, ``weights_digest``,
+``WeightsKey``. Does not own:
 compiling (``eagle.compile``).
 """
 
