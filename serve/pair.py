@@ -347,8 +347,6 @@ class PairServer:
         # model work off the decode thread runs on short-lived threads (``on_own_thread``: a second long-lived
         # OpenMP team would halve the decode thread's speed)
         self._loaded = on_own_thread(self._load_pair, target, stand_in, threads=self.threads)
-        if not stand_in:
-            self._compiled.set()
         self._swap_lock = threading.Lock()
         self._metrics = _Metrics(self.spec.model)
         # the decode loop: one thread steps the current engine (and, after a hot swap, the previous one until
@@ -369,6 +367,8 @@ class PairServer:
         self._watcher: threading.Thread | None = None
         if stand_in:
             threading.Thread(target=self._build_compiled, name=f"compile-{self.spec.model}", daemon=True).start()
+        else:
+            self._compiled.set()
         if self._head_spec and self._head_spec.startswith("models:/") and self._watch_s:
             self._start_watcher()
         logger.info("pair %s ready (%s path): target %s, head %s (version %s)", self.spec.model, self._loaded.path, self.target.name,
@@ -404,7 +404,7 @@ class PairServer:
                 self._pending_head = None
                 if head_spec != self._head_spec:  # ``reconfigure`` switched heads first: its compiled pair serves
                     return
-                loaded = _Loaded(*on_own_thread(self._ready, head, threads=self.threads), head_dir, version, time.time(), path=self._path)
+                loaded = on_own_thread(self._loaded_from, head, head_dir, version, threads=self.threads)
                 with self._swap_lock:
                     self._loaded = loaded
                 self._add_engine(loaded.engine)
@@ -417,11 +417,13 @@ class PairServer:
             self._compiled.set()
 
     def _load(self, head_spec: str | None) -> _Loaded:
-        head, head_dir, version = self._read_head(head_spec)
-        return _Loaded(*self._ready(head), head_dir, version, time.time(), path=self._path)
+        return self._loaded_from(*self._read_head(head_spec))
 
     def _load_dir(self, head_dir: str, version: str | None) -> _Loaded:
-        head = self._head_from(head_dir)
+        return self._loaded_from(self._head_from(head_dir), head_dir, version)
+
+    def _loaded_from(self, head, head_dir: str | None, version: str | None) -> _Loaded:
+        """What serves ``head`` (None: the target alone): its decoder and batch decoder, ready (``_ready``)."""
         return _Loaded(*self._ready(head), head_dir, version, time.time(), path=self._path)
 
     def _read_head(self, head_spec: str | None) -> tuple[Any, str | None, str | None]:
